@@ -1,0 +1,68 @@
+"""What a run leaves behind: metrics.json, written whole or not at all."""
+
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import lightning as L
+import torch
+from torchmetrics.functional import mean_squared_error, r2_score
+
+from experiments.data import RegressionData
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write to a temporary file beside `path`, then rename: a crash never leaves half a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def final_figures(net: torch.nn.Module, data: RegressionData) -> dict[str, float]:
+    """Validation fit of the final weights, and their distance to the exact least-squares optimum."""
+    device = next(net.parameters()).device
+    with torch.no_grad():
+        pred = net(data.x_val.to(device)).float().cpu()
+    figures = {
+        "val_mse": mean_squared_error(pred, data.y_val).item(),
+        "val_r2": r2_score(pred, data.y_val).item(),
+        "optimal_val_mse": data.optimal_val_mse,
+    }
+    if isinstance(net, torch.nn.Linear):
+        w, b = data.optimum
+        fitted = torch.cat([net.weight.detach().cpu().double().T, net.bias.detach().cpu().double()[None]])
+        optimum = torch.cat([w, b[None]])
+        figures["optimum_distance"] = (torch.linalg.norm(fitted - optimum) / torch.linalg.norm(optimum)).item()
+    return figures
+
+
+def run_record(trainer: L.Trainer, status: str, global_batch_size: int) -> dict:
+    """Where and how the run ran."""
+    strategy = trainer.strategy
+    return {
+        "status": status,
+        "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
+        "strategy": getattr(strategy, "strategy_name", type(strategy).__name__),
+        "devices": trainer.num_devices,
+        "num_nodes": trainer.num_nodes,
+        "world_size": trainer.world_size,
+        "global_batch_size": global_batch_size,
+        "effective_batch_size": global_batch_size * trainer.accumulate_grad_batches,
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "precision": str(trainer.precision),
+        "global_step": trainer.global_step,
+        "epochs": trainer.current_epoch,
+    }
+
+
+def write_metrics(path: Path, metrics: dict) -> None:
+    write_atomic(path, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
