@@ -1,0 +1,42 @@
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra import compose, initialize_config_dir
+
+from experiments.train import CONFIG_DIR, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# A problem small enough for a test to train in a second or two on one CPU core.
+TINY = [
+    "data.num_samples=640",
+    "data.num_features=8",
+    "data.batch_size=64",
+    "trainer.max_epochs=2",
+    "trainer.log_every_n_steps=1",
+    "trainer.enable_progress_bar=false",
+]
+
+
+def compose_config(*overrides: str, tiny: bool = True):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        return compose("config", overrides=[*(TINY if tiny else []), *overrides])
+
+
+@pytest.fixture
+def run_in_process(tmp_path):
+    """Train in this process through `experiments.train.train`; returns (metrics, run_dir)."""
+
+    def run(*overrides: str, tiny: bool = True, run_dir: Path | None = None):
+        run_dir = run_dir or tmp_path / "run"
+        return train(compose_config(*overrides, tiny=tiny), run_dir), run_dir
+
+    return run
+
+
+def cli(*args: str, tiny: bool = True, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
+    """`python train.py ARGS` as a user types it, from the repository root."""
+    command = [sys.executable, "train.py", *(TINY if tiny else []), *args]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
