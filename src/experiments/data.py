@@ -5,6 +5,7 @@ every global batch, and the order of an epoch depends on the seed and the epoch 
 device count or the strategy changes the speed, never the maths.
 """
 
+import csv
 from pathlib import Path
 
 import lightning as L
@@ -118,7 +119,8 @@ class RegressionData(L.LightningDataModule):
         if self.standardize:
             self.feature_mean = self.x_train.mean(0)
             # A constant column keeps scale 1 rather than dividing by zero.
-            self.feature_std = self.x_train.std(0).where(lambda s: s > 0, torch.ones(()))
+            std = self.x_train.std(0)
+            self.feature_std = torch.where(std > 0, std, torch.ones(()))
             self.x_train = (self.x_train - self.feature_mean) / self.feature_std
             self.x_val = (self.x_val - self.feature_mean) / self.feature_std
         if len(self.x_train) < self.batch_size:
@@ -233,18 +235,29 @@ class FileRegression(RegressionData):
         return torch.from_numpy(x).float(), torch.from_numpy(y).float()
 
     def _read_csv(self) -> tuple[np.ndarray, list[str]]:
-        with self.path.open() as f:
-            header = f.readline().strip()
-        if not header:
-            raise self._fail("empty file; expected a header row of column names")
-        columns = [c.strip() for c in header.split(",")]
-        try:
-            table = np.loadtxt(self.path, delimiter=",", skiprows=1, ndmin=2, dtype=np.float64)
-        except ValueError as err:
-            raise self._fail(str(err).splitlines()[-1]) from None
-        if table.size and table.shape[1] != len(columns):
-            raise self._fail(f"the header names {len(columns)} columns but the rows have {table.shape[1]}")
-        return table, columns
+        # The csv module rather than np.loadtxt: its errors count rows from 0 after the header and do
+        # not name the column, and a user fixing a file needs the line and the column.
+        with self.path.open(newline="") as f:
+            reader = csv.reader(f)
+            columns = [c.strip() for c in next(reader, [])]
+            if not columns:
+                raise self._fail("empty file; expected a header row of column names")
+            rows = []
+            for row in reader:
+                if not row:
+                    continue
+                line = reader.line_num
+                if len(row) != len(columns):
+                    raise self._fail(f"line {line} has {len(row)} fields but the header names {len(columns)}")
+                try:
+                    rows.append([float(v) for v in row])
+                except ValueError:
+                    name, value = next((n, v.strip()) for n, v in zip(columns, row, strict=True) if not _is_number(v))
+                    problem = f"{value!r} is not a number" if value else "missing value"
+                    raise self._fail(f"line {line}, column {name!r}: {problem}") from None
+        if not rows:
+            raise self._fail("no data rows")
+        return np.array(rows, dtype=np.float64), columns
 
     def _read_numpy(self) -> np.ndarray | dict[str, np.ndarray]:
         try:
@@ -275,3 +288,11 @@ class FileRegression(RegressionData):
             return self.target % width
         allowed = ", ".join(columns) if columns else f"a column index from 0 to {width - 1}"
         raise ConfigError(f"data.target={self.target}: no such column in {self.path}; allowed: {allowed}")
+
+
+def _is_number(text: str) -> bool:
+    try:
+        float(text)
+    except ValueError:
+        return False
+    return True
