@@ -10,6 +10,7 @@ from pathlib import Path
 import hydra
 import lightning as L
 from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 from hydra.utils import instantiate
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
@@ -71,12 +72,28 @@ def log_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: dict) -> None:
         logger.finalize(metrics["status"])
 
 
+def run_sweep_job(cfg: DictConfig) -> None:
+    """One job of a multirun. It raises, never exits: Hydra records a job that raises as failed and runs the
+    others (a SystemExit would end the whole sweep), then re-raises the first failure, so the sweep exits 1."""
+    hydra_cfg = HydraConfig.get()
+    if cfg.logger and cfg.logger._target_.endswith("TensorBoardLogger"):
+        # Name the job's TensorBoard run after its overrides, so `tensorboard --logdir <sweep dir>` tells
+        # the jobs apart (`<job num>/tensorboard/data.batch_size=64,...`).
+        cfg.logger.version = hydra_cfg.job.override_dirname
+    metrics = train(cfg, Path(hydra_cfg.runtime.output_dir))
+    if metrics["status"] != "completed":
+        raise RuntimeError(f"the run ended {metrics['status']} (see its metrics.json)")
+
+
 # conf/ sits at the repository root, beside train.py (the project is installed editable).
 CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        run_sweep_job(cfg)
+        return
     try:
         train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except ConfigError as err:

@@ -1,0 +1,343 @@
+"""Tables and plots of a run or a sweep: `<dir>/report/report.md` (scripts/report.py, scripts/study.py).
+
+Each section compares jobs that differ in one thing (batch size, device count, accumulation...) and holds
+everything else fixed: a job's "series" is the set of swept settings other than the section's x axis, so a
+sweep over two models and four batch sizes draws two throughput lines, never one zig-zag.
+"""
+
+import math
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only: no display on servers and in tests
+import matplotlib.pyplot as plt  # noqa: E402
+from matplotlib.ticker import ScalarFormatter  # noqa: E402
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
+
+from experiments.records import write_atomic  # noqa: E402
+from experiments.sweeps import Job, find_jobs  # noqa: E402
+
+# Settings that a section reads from metrics.json instead (the value that ran, whatever set it).
+BATCH_KEYS = {"data.batch_size"}
+DEVICE_KEYS = {"trainer.accelerator", "trainer.devices", "trainer.num_nodes", "strategy", "trainer.strategy"}
+ACCUMULATION_KEYS = {"trainer.accumulate_grad_batches"}
+
+
+@dataclass
+class Section:
+    title: str
+    columns: list[str] = field(default_factory=list)
+    rows: list[dict] = field(default_factory=list)
+    plot: Path | None = None
+    note: str = ""  # why the section is empty, or what its numbers say
+
+
+def loss_curves(job: Job, tag: str = "train/loss") -> list[tuple[int, float]]:
+    """(step, value) points of one scalar tag from the job's TensorBoard event files."""
+    points = []
+    for run_dir in sorted({p.parent for p in job.dir.glob("tensorboard/**/events.out.tfevents.*")}):
+        events = EventAccumulator(str(run_dir), size_guidance={"scalars": 0}).Reload()
+        if tag in events.Tags()["scalars"]:
+            points += [(e.step, e.value) for e in events.Scalars(tag)]
+    return sorted(points)
+
+
+def varying(jobs: list[Job]) -> set[str]:
+    """The override keys whose values differ between jobs: the settings a sweep compares."""
+    keys = {k for job in jobs for k in job.params}
+    return {k for k in keys if len({job.params.get(k) for job in jobs}) > 1}
+
+
+def series_label(job: Job, keys: list[str], extra: tuple = ()) -> str:
+    parts = [*extra, *(f"{k}={job.params.get(k)}" for k in keys)]
+    return ", ".join(str(p) for p in parts) or "all jobs"
+
+
+def device_label(m: dict) -> str:
+    return f"{m['accelerator']} x{m['devices'] * m['num_nodes']} {m['strategy']}"
+
+
+def completed(jobs: list[Job]) -> list[Job]:
+    return [j for j in jobs if j.status == "completed" and j.metrics.get("samples_per_sec")]
+
+
+def fmt(value) -> str:
+    if isinstance(value, float):
+        if not math.isfinite(value):
+            return str(value)
+        return f"{value:.4g}"
+    return str(value)
+
+
+def markdown_table(columns: list[str], rows: list[dict]) -> str:
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |" for row in rows]
+    return "\n".join(lines)
+
+
+def log2_axis(ax) -> None:
+    """Batch sizes and accumulation steps double: space them evenly, but label them 64, 128, not 2^6, 2^7."""
+    ax.set_xscale("log", base=2)
+    ax.xaxis.set_major_formatter(ScalarFormatter())
+
+
+def save(fig, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    tmp = path.with_name(f".{path.name}.tmp")  # then rename: a crash never leaves half a PNG
+    fig.savefig(tmp, format="png", dpi=110)
+    plt.close(fig)
+    os.replace(tmp, path)
+    return path
+
+
+def jobs_section(jobs: list[Job]) -> Section:
+    columns = ["job", "status", "overrides", "val_mse", "samples_per_sec", "step_time_ms", "peak_memory_mb", "error"]
+    rows = [
+        {"job": j.num, "status": j.status, "overrides": " ".join(j.overrides), "error": j.error}
+        | {k: j.metrics.get(k, "") for k in columns[3:-1]}
+        for j in jobs
+    ]
+    return Section("Jobs", columns, rows)
+
+
+def loss_section(jobs: list[Job], out: Path) -> Section:
+    section = Section("Training loss per job")
+    keys = sorted(varying(jobs))
+    curves = {f"{j.num}: {series_label(j, keys)}": loss_curves(j) for j in jobs}
+    curves = {label: points for label, points in curves.items() if points}
+    if not curves:
+        section.note = "No plot: no job logged `train/loss` to TensorBoard."
+        return section
+    fig, ax = plt.subplots(figsize=(8, 4.5))
+    for label, points in curves.items():
+        ax.plot([s for s, _ in points], [v for _, v in points], label=label)
+    ax.set(title="Training loss per job", xlabel="optimizer step", ylabel="train/loss (MSE, target units²)")
+    if all(v > 0 for points in curves.values() for _, v in points):
+        ax.set_yscale("log")
+    ax.legend(fontsize="x-small")
+    section.plot = save(fig, out / "loss_curves.png")
+    section.columns = ["job", "steps", "first loss", "last loss"]
+    section.rows = [
+        {"job": label, "steps": len(points), "first loss": points[0][1], "last loss": points[-1][1]}
+        for label, points in curves.items()
+    ]
+    return section
+
+
+def by_series(jobs: list[Job], x_keys: set[str], device: bool = True) -> dict[str, list[Job]]:
+    """Jobs grouped by everything that is neither the x axis nor in `x_keys` (device set-up as a label)."""
+    keys = sorted(varying(jobs) - x_keys - (DEVICE_KEYS if device else set()))
+    groups: dict[str, list[Job]] = {}
+    for job in jobs:
+        extra = (device_label(job.metrics),) if device else ()
+        groups.setdefault(series_label(job, keys, extra), []).append(job)
+    return groups
+
+
+def xy_section(
+    jobs: list[Job],
+    out: Path,
+    title: str,
+    x: str,
+    y: str,
+    x_keys: set[str],
+    xlabel: str,
+    ylabel: str,
+    filename: str,
+) -> Section:
+    """One metric against another, a line per series; skipped when no series has two x values."""
+    section = Section(title)
+    groups = {k: sorted(v, key=lambda j: j.metrics[x]) for k, v in by_series(completed(jobs), x_keys).items()}
+    groups = {k: v for k, v in groups.items() if len({j.metrics[x] for j in v}) > 1}
+    if not groups:
+        section.note = f"No plot: no series of completed jobs has two values of `{x}` in this sweep."
+        return section
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label, group in groups.items():
+        ax.plot([j.metrics[x] for j in group], [j.metrics[y] for j in group], marker="o", label=label)
+        section.rows += [{"series": label, x: j.metrics[x], y: j.metrics[y]} for j in group]
+    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
+    log2_axis(ax)
+    ax.legend(fontsize="x-small")
+    section.columns = ["series", x, y]
+    section.plot = save(fig, out / filename)
+    return section
+
+
+def throughput_section(jobs: list[Job], out: Path) -> Section:
+    return xy_section(
+        jobs, out, "Throughput vs batch size", "global_batch_size", "samples_per_sec", BATCH_KEYS,
+        "global batch size (samples per micro-step)", "throughput (samples/s)", "throughput_vs_batch.png",
+    )  # fmt: skip
+
+
+def memory_section(jobs: list[Job], out: Path) -> Section:
+    return xy_section(
+        jobs, out, "Peak memory vs batch size", "global_batch_size", "peak_memory_mb", BATCH_KEYS,
+        "global batch size (samples per micro-step)", "peak memory (MiB)", "memory_vs_batch.png",
+    )  # fmt: skip
+
+
+def baseline_key(job: Job, keys: list[str]) -> tuple:
+    """What a job must share with its baseline: batch, accumulation and every swept non-device setting."""
+    m = job.metrics
+    return (m["global_batch_size"], m["accumulate_grad_batches"], *(job.params.get(k) for k in keys))
+
+
+def speedup_section(jobs: list[Job], out: Path) -> Section:
+    section = Section("Speed-up over the CPU baseline (1 CPU device, same batch and settings)")
+    done = completed(jobs)
+    keys = sorted(varying(done) - DEVICE_KEYS - BATCH_KEYS)
+    baselines = {
+        baseline_key(j, keys): j for j in done if j.metrics["accelerator"] == "cpu" and j.metrics["devices"] == 1
+    }
+    rows = []
+    for job in done:
+        base = baselines.get(baseline_key(job, keys))
+        if base is None or base is job:
+            continue
+        rows.append(
+            {
+                "series": series_label(job, keys, (device_label(job.metrics),)),
+                "global_batch_size": job.metrics["global_batch_size"],
+                "samples_per_sec": job.metrics["samples_per_sec"],
+                "baseline_samples_per_sec": base.metrics["samples_per_sec"],
+                "speedup": job.metrics["samples_per_sec"] / base.metrics["samples_per_sec"],
+            }
+        )
+    if not rows:
+        section.note = "No plot: no job ran on another accelerator or device count beside a 1-CPU baseline."
+        return section
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in dict.fromkeys(r["series"] for r in rows):
+        points = sorted((r["global_batch_size"], r["speedup"]) for r in rows if r["series"] == label)
+        ax.plot(*zip(*points, strict=True), marker="o", label=label)
+    ax.axhline(1.0, color="grey", linestyle="--", label="CPU baseline (1x)")
+    ax.set(title="Speed-up over 1 CPU device", xlabel="global batch size (samples per micro-step)",
+           ylabel="speed-up (x, throughput ratio)")  # fmt: skip
+    log2_axis(ax)
+    ax.legend(fontsize="x-small")
+    section.columns = list(rows[0])
+    section.rows = rows
+    section.plot = save(fig, out / "speedup_over_cpu.png")
+    return section
+
+
+def scaling_section(jobs: list[Job], out: Path) -> Section:
+    """Throughput on N devices over N times the throughput on one device of the same kind and batch."""
+    section = Section("Multi-device scaling efficiency (DP, DDP)")
+    done = completed(jobs)
+    keys = sorted(varying(done) - DEVICE_KEYS - BATCH_KEYS)
+    singles = {(j.metrics["accelerator"], *baseline_key(j, keys)): j for j in done if j.metrics["devices"] == 1}
+    rows = []
+    for job in done:
+        m = job.metrics
+        single = singles.get((m["accelerator"], *baseline_key(job, keys)))
+        n = m["devices"] * m["num_nodes"]
+        if single is None or n == 1:
+            continue
+        rows.append(
+            {
+                "series": f"{m['accelerator']} {m['strategy']}, batch {m['global_batch_size']}"
+                + "".join(f", {k}={job.params.get(k)}" for k in keys),
+                "devices": n,
+                "samples_per_sec": m["samples_per_sec"],
+                "single_device_samples_per_sec": single.metrics["samples_per_sec"],
+                "speedup": m["samples_per_sec"] / single.metrics["samples_per_sec"],
+                "efficiency_pct": 100 * m["samples_per_sec"] / (n * single.metrics["samples_per_sec"]),
+            }
+        )
+    if not rows:
+        section.note = "No plot: no multi-device job beside a one-device job of the same accelerator and batch."
+        return section
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for label in dict.fromkeys(r["series"] for r in rows):
+        points = [(1, 100.0)] + sorted((r["devices"], r["efficiency_pct"]) for r in rows if r["series"] == label)
+        ax.plot(*zip(*points, strict=True), marker="o", label=label)
+    ax.axhline(100.0, color="grey", linestyle="--", label="ideal (N x one device)")
+    ax.set(title="Scaling efficiency", xlabel="devices (count)", ylabel="efficiency (% of N x one-device throughput)")
+    ax.legend(fontsize="x-small")
+    section.columns = list(rows[0])
+    section.rows = rows
+    section.plot = save(fig, out / "scaling_efficiency.png")
+    return section
+
+
+def accumulation_section(jobs: list[Job], out: Path) -> Section:
+    section = Section("Memory and throughput vs gradient accumulation")
+    groups = {
+        k: sorted(v, key=lambda j: j.metrics["accumulate_grad_batches"])
+        for k, v in by_series(completed(jobs), BATCH_KEYS | ACCUMULATION_KEYS).items()
+    }
+    # Compare at one effective batch: accumulation trades micro-batch size for micro-steps.
+    series = {}
+    for label, group in groups.items():
+        for effective in sorted({j.metrics["effective_batch_size"] for j in group}):
+            same = [j for j in group if j.metrics["effective_batch_size"] == effective]
+            if len({j.metrics["accumulate_grad_batches"] for j in same}) > 1:
+                series[f"{label}, effective batch {effective}"] = same
+    if not series:
+        section.note = "No plot: no two completed jobs share an effective batch with different accumulation."
+        return section
+    fig, (ax_mem, ax_speed) = plt.subplots(1, 2, figsize=(10, 4.2))
+    for label, group in series.items():
+        acc = [j.metrics["accumulate_grad_batches"] for j in group]
+        ax_mem.plot(acc, [j.metrics["peak_memory_mb"] for j in group], marker="o", label=label)
+        ax_speed.plot(acc, [j.metrics["samples_per_sec"] for j in group], marker="o", label=label)
+        section.rows += [{"series": label} | {k: j.metrics.get(k) for k in ACCUMULATION_COLUMNS[1:]} for j in group]
+    xlabel = "accumulate_grad_batches (micro-steps per optimizer step)"
+    ax_mem.set(title="Peak memory vs accumulation", xlabel=xlabel, ylabel="peak memory (MiB)")
+    ax_speed.set(title="Throughput vs accumulation", xlabel=xlabel, ylabel="throughput (samples/s)")
+    for ax in (ax_mem, ax_speed):
+        log2_axis(ax)
+        ax.legend(fontsize="x-small")
+    section.columns = ACCUMULATION_COLUMNS
+    section.plot = save(fig, out / "accumulation.png")
+    return section
+
+
+ACCUMULATION_COLUMNS = [
+    "series", "accumulate_grad_batches", "global_batch_size", "effective_batch_size", "peak_memory_mb",
+    "samples_per_sec", "val_mse", "optimum_distance",
+]  # fmt: skip
+
+
+def build_sections(root: Path, out: Path) -> list[Section]:
+    jobs = find_jobs(root)
+    return [
+        jobs_section(jobs),
+        loss_section(jobs, out),
+        throughput_section(jobs, out),
+        speedup_section(jobs, out),
+        scaling_section(jobs, out),
+        memory_section(jobs, out),
+        accumulation_section(jobs, out),
+    ]
+
+
+def render(title: str, sections: list[Section], relative_to: Path) -> str:
+    parts = [f"# {title}\n"]
+    for s in sections:
+        parts.append(f"## {s.title}\n")
+        if s.note:
+            parts.append(s.note + "\n")
+        if s.plot:
+            parts.append(f"![{s.title}]({s.plot.relative_to(relative_to)})\n")
+        if s.rows:
+            parts.append(markdown_table(s.columns, s.rows) + "\n")
+    return "\n".join(parts)
+
+
+def write_report(root: Path) -> Path:
+    """`<root>/report/report.md` and its PNG plots, for a sweep dir or one run's dir."""
+    out = root / "report"
+    sections = build_sections(root, out)
+    if not sections[0].rows:
+        raise FileNotFoundError(f"no run under {root}: expected metrics.json or .hydra/ in it or its job dirs")
+    path = out / "report.md"
+    write_atomic(path, render(f"Report: {root}", sections, out))
+    return path

@@ -1,0 +1,140 @@
+"""The record of a Hydra multirun: `<sweep dir>/results.csv`, one row per job.
+
+`SweepRecord` is a Hydra callback (conf/config.yaml, `hydra.callbacks`). Each job leaves `job.json` in its own
+directory when it ends (status and error as Hydra's JobReturn saw them); results.csv is rebuilt from the job
+directories. It is rebuilt after every job, not only when the multirun ends, because Hydra 1.3's sweeper
+re-raises the first failed job's error before `on_multirun_end` runs: a sweep with a failed job would
+otherwise leave no record at all.
+"""
+
+import csv
+import fcntl
+import io
+import json
+import logging
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.records import write_atomic
+
+log = logging.getLogger(__name__)
+
+JOB_RECORD = "job.json"
+RESULTS = "results.csv"
+
+
+@dataclass
+class Job:
+    """One run or sweep job as its directory records it."""
+
+    dir: Path
+    num: int
+    overrides: list[str]
+    status: str  # completed, failed, interrupted; running while a job has left no record yet
+    error: str = ""
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def params(self) -> dict[str, str]:
+        """The job's `key=value` overrides as a dict (`+key`/`~key` prefixes dropped)."""
+        pairs = (o.lstrip("+~").split("=", 1) for o in self.overrides if "=" in o)
+        return {k: v for k, v in pairs}
+
+
+def find_jobs(root: Path) -> list[Job]:
+    """The jobs under `root`, a sweep dir or one run's dir, in job-number order."""
+    dirs = {p.parent.parent for p in root.glob("**/.hydra/overrides.yaml")}
+    dirs |= {p.parent for p in root.glob("**/metrics.json")}
+    return sorted((read_job(d) for d in dirs), key=lambda job: (job.num, str(job.dir)))
+
+
+def read_job(job_dir: Path) -> Job:
+    overrides_file = job_dir / ".hydra" / "overrides.yaml"
+    overrides = list(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
+    hydra_file = job_dir / ".hydra" / "hydra.yaml"
+    num = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.job.num") if hydra_file.exists() else None
+    record = _read_json(job_dir / JOB_RECORD)
+    metrics = _read_json(job_dir / "metrics.json")
+    if record.get("status") == "failed":
+        status = "failed"  # the job raised; metrics.json, if any, says how far it got
+    else:
+        status = metrics.get("status") or record.get("status") or "running"
+    return Job(
+        dir=job_dir,
+        num=int(num) if num is not None else 0,
+        overrides=[str(o) for o in overrides],
+        status=status,
+        error=record.get("error", ""),
+        metrics=metrics,
+    )
+
+
+def _read_json(path: Path) -> dict:
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def results_table(jobs: list[Job]) -> tuple[list[str], list[dict]]:
+    """Columns and rows of results.csv: who the job was, how it ended, what it swept, what it measured."""
+    swept = sorted({k for job in jobs for k in job.params})
+    measured = sorted({k for job in jobs for k in job.metrics} - {"status"})
+    columns = ["job", "status", "error", "overrides", *swept, *measured, "dir"]
+    rows = []
+    for job in jobs:
+        row = {"job": job.num, "status": job.status, "error": job.error, "overrides": " ".join(job.overrides)}
+        row |= job.params | {k: v for k, v in job.metrics.items() if k != "status"}
+        rows.append(row | {"dir": str(job.dir)})
+    return columns, rows
+
+
+def write_results(sweep_dir: Path) -> Path:
+    """Rebuild `<sweep_dir>/results.csv` from the job dirs; safe when parallel jobs end at once."""
+    path = sweep_dir / RESULTS
+    # A lock file, because joblib and submitit run `on_job_end` in separate processes: without it, a job
+    # that scanned the dirs first could overwrite the table of a job that ended just after it.
+    with open(sweep_dir / ".results.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        columns, rows = results_table(find_jobs(sweep_dir))
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_atomic(path, text.getvalue())
+    return path
+
+
+def one_line(err: BaseException) -> str:
+    return " ".join(f"{type(err).__name__}: {err}".split())
+
+
+class SweepRecord(Callback):
+    """Writes `job.json` into each job's dir when it ends, and `results.csv` into the sweep dir."""
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
+        if config.hydra.mode != RunMode.MULTIRUN:
+            return
+        # Runs where the job ran (a joblib worker, a SLURM node): write only into this job's own dir.
+        job_dir = Path(config.hydra.runtime.output_dir)
+        record = {"num": config.hydra.job.num, "overrides": list(job_return.overrides or [])}
+        if job_return.status == JobStatus.FAILED:
+            err = job_return._return_value  # the public `return_value` re-raises it
+            record |= {
+                "status": "failed",
+                "error": one_line(err),
+                "traceback": "".join(traceback.format_exception(err)),
+            }
+            # Hydra prints only the first failure, at the end of the sweep: say which job failed now.
+            log.error("job %s failed: %s", config.hydra.job.num, record["error"])
+        else:
+            record["status"] = "completed"
+        write_atomic(job_dir / JOB_RECORD, json.dumps(record, indent=2) + "\n")
+        write_results(Path(config.hydra.sweep.dir))
+
+    def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
+        path = write_results(Path(config.hydra.sweep.dir))
+        log.info("sweep record: %s", path)

@@ -1,0 +1,71 @@
+"""scripts/report.py on a real (small) sweep: report.md, its tables and valid PNG plots."""
+
+import json
+import subprocess
+import sys
+
+import matplotlib.image
+import pytest
+from conftest import ROOT, cli
+
+from experiments.reports import fmt
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def report(path) -> subprocess.CompletedProcess:
+    command = [sys.executable, "scripts/report.py", str(path)]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def sweep(tmp_path_factory):
+    """Two batch sizes x two accumulation settings: four jobs on one CPU device."""
+    sweep_dir = tmp_path_factory.mktemp("report") / "sweep"
+    done = cli("data.batch_size=32,64", "trainer.accumulate_grad_batches=1,2", f"hydra.sweep.dir={sweep_dir}", "-m")
+    assert done.returncode == 0, done.stderr[-3000:]
+    done = report(sweep_dir)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return sweep_dir
+
+
+def test_report_has_a_table_row_per_job(sweep):
+    text = (sweep / "report" / "report.md").read_text()
+    for num in range(4):
+        metrics = json.loads((sweep / str(num) / "metrics.json").read_text())
+        assert f"| {num} | completed | " in text
+        assert fmt(metrics["samples_per_sec"]) in text and fmt(metrics["peak_memory_mb"]) in text
+
+
+def test_report_plots_are_valid_pngs(sweep):
+    out = sweep / "report"
+    text = (out / "report.md").read_text()
+    expected = ["loss_curves.png", "throughput_vs_batch.png", "memory_vs_batch.png", "accumulation.png"]
+    assert sorted(p.name for p in out.glob("*.png")) == sorted(expected)
+    for name in expected:
+        assert f"]({name})" in text
+        assert (out / name).read_bytes()[:8] == PNG_SIGNATURE
+        height, width, _ = matplotlib.image.imread(out / name).shape
+        assert height > 200 and width > 200
+
+
+def test_report_says_which_plots_the_sweep_has_no_data_for(sweep):
+    text = (sweep / "report" / "report.md").read_text()
+    # one CPU device throughout: nothing to compare against the CPU baseline, no multi-device scaling
+    assert "No plot: no job ran on another accelerator or device count" in text
+    assert "No plot: no multi-device job" in text
+    assert text.count("No plot") == 2
+
+
+def test_report_of_one_run(sweep):
+    run_dir = sweep / "1"
+    done = report(run_dir)
+    assert done.returncode == 0, done.stderr
+    text = (run_dir / "report" / "report.md").read_text()
+    assert text.count("| 1 | completed | ") == 1 and (run_dir / "report" / "loss_curves.png").is_file()
+
+
+def test_report_of_a_dir_without_runs_is_a_one_line_error(tmp_path):
+    done = report(tmp_path)
+    assert done.returncode != 0
+    assert done.stderr.startswith("error: no run under") and "Traceback" not in done.stderr

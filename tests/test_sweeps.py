@@ -1,0 +1,128 @@
+"""Hydra multiruns through the real CLI: launchers, results.csv, failures, TensorBoard naming."""
+
+import csv
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from conftest import cli
+
+LEARNING_RATES = ["0.01", "0.02", "0.05", "0.1"]
+
+
+def read_results(sweep_dir) -> list[dict]:
+    with open(sweep_dir / "results.csv") as f:
+        return list(csv.DictReader(f))
+
+
+@pytest.fixture(scope="module")
+def joblib_sweep(tmp_path_factory):
+    """Four jobs, two at a time, in joblib's worker processes."""
+    sweep_dir = tmp_path_factory.mktemp("joblib") / "sweep"
+    done = cli(
+        f"optimizer.lr={','.join(LEARNING_RATES)}",
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+        f"hydra.sweep.dir={sweep_dir}",
+        "--multirun",  # after the overrides: cli() puts its TINY overrides first
+    )
+    return done, sweep_dir
+
+
+def test_joblib_sweep_runs_four_jobs_two_at_a_time(joblib_sweep):
+    done, sweep_dir = joblib_sweep
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "Joblib.Parallel(n_jobs=2" in done.stdout + done.stderr
+    rows = read_results(sweep_dir)
+    assert [row["job"] for row in rows] == ["0", "1", "2", "3"]
+    assert [row["status"] for row in rows] == ["completed"] * 4
+    assert [row["optimizer.lr"] for row in rows] == LEARNING_RATES
+    assert all(row["error"] == "" and float(row["samples_per_sec"]) > 0 for row in rows)
+
+
+def test_parallel_jobs_keep_to_their_own_directories(joblib_sweep):
+    _, sweep_dir = joblib_sweep
+    assert sorted(p.name for p in sweep_dir.iterdir()) == [".results.lock", "0", "1", "2", "3", "multirun.yaml",
+                                                           "results.csv"]  # fmt: skip
+    for num, lr in enumerate(LEARNING_RATES):
+        job_dir = sweep_dir / str(num)
+        assert json.loads((job_dir / "metrics.json").read_text())["status"] == "completed"
+        assert json.loads((job_dir / "job.json").read_text())["overrides"][-1] == f"optimizer.lr={lr}"
+        # the job's own config, and exactly one TensorBoard run, named for the job's overrides
+        assert f"lr: {lr}" in (job_dir / ".hydra" / "config.yaml").read_text()
+        runs = {p.parent for p in job_dir.glob("tensorboard/**/events.out.tfevents.*")}
+        assert len(runs) == 1 and f"optimizer.lr={lr}" in runs.pop().name
+
+
+def test_a_failing_job_does_not_stop_the_others(tmp_path):
+    # Job 0 asks for a model that does not fit the data: it raises before it writes metrics.json.
+    sweep_dir = tmp_path / "sweep"
+    done = cli("model.in_features=3,null", f"hydra.sweep.dir={sweep_dir}", "--multirun")
+    assert done.returncode == 1
+    failed, completed = read_results(sweep_dir)
+    assert (failed["job"], failed["model.in_features"], failed["status"]) == ("0", "3", "failed")
+    assert failed["error"].startswith("ConfigError: model.in_features=3") and failed["samples_per_sec"] == ""
+    assert not (sweep_dir / "0" / "metrics.json").exists()
+    assert (completed["job"], completed["model.in_features"], completed["status"]) == ("1", "null", "completed")
+    assert completed["error"] == "" and float(completed["val_mse"]) > 0
+
+
+def test_submitit_local_sweep_completes(tmp_path):
+    sweep_dir = tmp_path / "sweep"
+    done = cli("optimizer.lr=0.01,0.1", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep_dir}", "--multirun")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert [row["status"] for row in read_results(sweep_dir)] == ["completed", "completed"]
+    assert (sweep_dir / ".submitit").is_dir()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get_json(url: str):
+    with urllib.request.urlopen(url, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def post_json(url: str, body: dict):
+    request = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_tensorboard_server_lists_every_job_by_its_overrides(joblib_sweep):
+    _, sweep_dir = joblib_sweep
+    port = free_port()
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(sweep_dir), "--host", "127.0.0.1",
+               "--port", str(port)]  # fmt: skip
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        tags = {}
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and len(tags) < len(LEARNING_RATES):
+            time.sleep(1)
+            try:
+                tags = get_json(f"http://127.0.0.1:{port}/data/plugin/scalars/tags")
+            except OSError:
+                continue  # not listening yet
+        assert len(tags) == len(LEARNING_RATES), tags
+        for run, run_tags in tags.items():
+            num = run.split("/")[0]
+            assert f"optimizer.lr={LEARNING_RATES[int(num)]}" in run
+            assert "train/loss" in run_tags and "final/val_mse" in run_tags
+        # the HPARAMS tab: one session per job, with its learning rate and its final figures
+        query = {"experimentName": "", "allowedStatuses": ["STATUS_UNKNOWN", "STATUS_SUCCESS"], "colParams": [],
+                 "startIndex": 0, "sliceSize": 100}  # fmt: skip
+        groups = post_json(f"http://127.0.0.1:{port}/data/plugin/hparams/session_groups", query)["sessionGroups"]
+        assert sorted(g["hparams"]["optimizer/lr"] for g in groups) == [float(lr) for lr in LEARNING_RATES]
+        for group in groups:
+            assert "final/val_mse" in {m["name"]["tag"] for m in group["metricValues"]}
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
