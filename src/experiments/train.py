@@ -20,10 +20,12 @@ from experiments.checks import ConfigError
 from experiments.module import Regressor
 from experiments.perf import PerfMonitor
 from experiments.records import final_figures, run_record, write_metrics
+from experiments.strategies import check_strategy, ranks_join_this_job
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     started = time.perf_counter()
+    check_strategy(cfg)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = instantiate(cfg.data)
     data.setup("fit")
@@ -43,7 +45,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 
     status = "failed"
     try:
-        trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
+        with ranks_join_this_job():
+            trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
         status = "interrupted" if trainer.interrupted else "completed"
     finally:
         train_loss = trainer.callback_metrics.get("train/loss")

@@ -1,0 +1,305 @@
+"""Single device, DataParallel and DDP give the same weights; DDP ranks join their run, sweep job or torchrun.
+
+The DDP runs go through the real CLI in a subprocess, with their outputs under tmp_path. One module-scoped set
+of runs serves several tests.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY, cli, compose_config
+from omegaconf import OmegaConf
+
+from experiments.checks import ConfigError
+from experiments.data import BatchLoader, EpochShuffle
+from experiments.strategies import check_strategy, ranks_join_this_job, silent_rank_overrides
+from experiments.train import train
+
+CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+
+
+def start(command: list[str], cwd: Path) -> subprocess.Popen:
+    # A session of its own, so that a timeout can end the ranks it started too.
+    return subprocess.Popen(
+        command, cwd=cwd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True
+    )
+
+
+def train_py(*args: str, cwd: Path, flags: tuple[str, ...] = ()) -> subprocess.Popen:
+    """`python <repo>/train.py FLAGS ARGS`, started from `cwd` (to see what lands there); returns the process."""
+    return start([sys.executable, str(ROOT / "train.py"), *flags, *TINY, *args], cwd)
+
+
+def wait(*procs: subprocess.Popen, timeout: float = 240) -> list[str]:
+    """Wait for processes started together (the CPU idles while DDP ranks start up); all must succeed.
+
+    Their outputs stay open while any rank they started lives: a stray rank makes this time out.
+    """
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    for p, out in zip(procs, outputs, strict=True):
+        assert p.returncode == 0, f"{p.args}\n{out[-3000:]}"
+    return outputs
+
+
+def weights(run_dir: Path) -> torch.Tensor:
+    state = torch.load(run_dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    return torch.cat([state["net.weight"].flatten(), state["net.bias"].flatten()]).double()
+
+
+def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()
+
+
+def metrics(run_dir: Path) -> dict:
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def event_file_pids(run_dir: Path) -> set[str]:
+    """The process ids in TensorBoard event file names (`events.out.tfevents.<time>.<host>.<pid>.<n>`)."""
+    return {p.name.split(".")[-2] for p in (run_dir / "tensorboard").rglob("events.out.tfevents.*")}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun_two_nodes(cwd: Path, *args: str) -> list[subprocess.Popen]:
+    """Two torchrun processes on 127.0.0.1, as two nodes of one process each would start them."""
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        torchrun = ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)]
+        torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
+        command = [sys.executable, "-m", "torch.distributed.run", *torchrun, str(ROOT / "train.py"), *TINY, *args]
+        procs.append(start(command, cwd))
+    return procs
+
+
+def tree(path: Path) -> set[str]:
+    return {str(p.relative_to(path)) for p in path.rglob("*")} if path.exists() else set()
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The same problem trained every way, and two DDP sweeps; the dirs they wrote, by name.
+
+    The CLI runs start together: most of a DDP run's time is start-up, with the CPU waiting on the ranks.
+    """
+    tmp = tmp_path_factory.mktemp("strategies")
+    repo_outputs = tree(ROOT / "outputs")
+    procs, dirs = [], {}
+    for name, overrides in {
+        "ddp_256": ["trainer.devices=2", "data.batch_size=256"],
+        "ddp_64x4": ["trainer.devices=2", "data.batch_size=64", "trainer.accumulate_grad_batches=4"],
+        "ddp_spawn_256": ["strategy=ddp_spawn", "trainer.devices=2", "data.batch_size=256"],
+    }.items():
+        dirs[name] = tmp / name
+        procs.append(train_py(*overrides, f"hydra.run.dir={dirs[name]}", cwd=ROOT))
+    # torchrun with no hydra.run.dir: each rank runs Hydra, and each would make its own timestamped dir.
+    dirs["torchrun_cwd"] = tmp / "torchrun"
+    dirs["torchrun_cwd"].mkdir()
+    procs += torchrun_two_nodes(dirs["torchrun_cwd"], "trainer.num_nodes=2", "data.batch_size=256")
+    # Sweeps started from an empty working directory, to see that nothing lands outside the sweep dir. One
+    # joblib worker runs both jobs: the second launches its ranks from a process that already did once.
+    launchers = {"basic": [], "joblib": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=1"]}
+    for launcher, launcher_args in launchers.items():
+        cwd, sweep = tmp / f"{launcher}_cwd", tmp / f"{launcher}_sweep"
+        cwd.mkdir()
+        args = [*launcher_args, "trainer.devices=2", "optimizer.lr=0.01,0.05", f"hydra.sweep.dir={sweep}"]
+        procs.append(train_py(*args, cwd=cwd, flags=("-m",)))
+        dirs[f"{launcher}_cwd"], dirs[f"{launcher}_sweep"] = cwd, sweep
+    # Meanwhile, in this process: one device, with and without accumulation.
+    for name, overrides in {
+        "single_256": ["data.batch_size=256"],
+        "single_64x4": ["data.batch_size=64", "trainer.accumulate_grad_batches=4"],
+        "single_128": ["data.batch_size=128"],  # different maths: shows that the tolerance can tell
+    }.items():
+        dirs[name] = tmp / name
+        train(compose_config(*overrides, "logger=none"), dirs[name])
+    outputs = wait(*procs)
+    dirs["basic_output"], dirs["joblib_output"] = outputs[-2:]
+    (dirs["torchrun_2x1_256"],) = (dirs["torchrun_cwd"] / "outputs" / "runs").iterdir()
+    dirs["repo_outputs_changed"] = tree(ROOT / "outputs") != repo_outputs
+    return dirs
+
+
+@pytest.mark.parametrize("name", ["single_64x4", "ddp_256", "ddp_64x4", "ddp_spawn_256", "torchrun_2x1_256"])
+def test_final_weights_equal_single_device(runs, name):
+    assert relative_difference(weights(runs[name]), weights(runs["single_256"])) <= 1e-5
+
+
+def test_a_different_batch_gives_different_weights(runs):
+    assert relative_difference(weights(runs["single_128"]), weights(runs["single_256"])) > 1e-3
+
+
+@pytest.mark.parametrize(
+    "name, world_size, num_nodes",
+    [("ddp_256", 2, 1), ("ddp_64x4", 2, 1), ("ddp_spawn_256", 2, 1), ("torchrun_2x1_256", 2, 2)],
+)
+def test_ddp_runs_record_their_ranks(runs, name, world_size, num_nodes):
+    record = metrics(runs[name])
+    assert (record["status"], record["world_size"], record["num_nodes"]) == ("completed", world_size, num_nodes)
+
+
+@pytest.mark.parametrize("name", ["ddp_256", "ddp_64x4", "torchrun_2x1_256"])
+def test_only_rank_zero_writes(runs, name):
+    run_dir = runs[name]
+    assert len(event_file_pids(run_dir)) == 1  # a rank > 0 writing TensorBoard files would add its pid
+    assert sorted(p.name for p in run_dir.rglob("*.log")) == ["train.log"]
+    assert [p.parent.name for p in run_dir.rglob("config.yaml")] == [".hydra"]
+
+
+def test_torchrun_ranks_make_one_run_dir(runs):
+    # Rank 1 ran Hydra in the same working directory: it made no dir, config or log of its own.
+    cwd = runs["torchrun_cwd"]
+    assert sorted(p.name for p in cwd.iterdir()) == ["outputs"]
+    assert [p.name for p in (cwd / "outputs").iterdir()] == ["runs"]
+
+
+@pytest.mark.parametrize("launcher", ["basic", "joblib"])
+def test_ddp_multirun_makes_one_sweep(runs, launcher):
+    sweep = runs[f"{launcher}_sweep"]
+    assert runs[f"{launcher}_output"].count("#0 : ") == 1  # a rank that re-ran the sweep would launch job 0 again
+    jobs = sorted(p.name for p in sweep.iterdir() if p.is_dir())
+    assert jobs == ["0", "1"]
+    assert len(list(sweep.rglob("multirun.yaml"))) == 1
+    for job, lr in zip(jobs, [0.01, 0.05], strict=True):
+        assert metrics(sweep / job)["world_size"] == 2
+        assert OmegaConf.load(sweep / job / ".hydra" / "config.yaml").optimizer.lr == lr
+        assert len(event_file_pids(sweep / job)) == 1
+    if launcher == "joblib":  # both jobs' rank 0 ran in the one worker
+        assert len(event_file_pids(sweep / "0") | event_file_pids(sweep / "1")) == 1
+    assert list(runs[f"{launcher}_cwd"].iterdir()) == []
+    assert not runs["repo_outputs_changed"]
+
+
+def test_dp_without_cuda_stops_before_any_work(tmp_path):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    result = cli("strategy=dp", "trainer.devices=2", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0
+    assert result.stderr.strip().splitlines()[-1].startswith("error: strategy=dp needs CUDA GPUs")
+    assert "strategy=ddp" in result.stderr and "Traceback" not in result.stderr
+    assert not (tmp_path / "metrics.json").exists() and not (tmp_path / "checkpoints").exists()
+
+
+def test_batch_must_split_over_the_ranks_cli(tmp_path):
+    result = cli("trainer.devices=3", "data.batch_size=64", f"hydra.run.dir={tmp_path}")
+    assert result.returncode != 0 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1] == (
+        "error: data.batch_size=64 does not split over 3 ranks (trainer.devices=3 x trainer.num_nodes=1); "
+        "allowed: a multiple of 3, e.g. 63 or 66"
+    )
+
+
+@pytest.mark.parametrize(
+    "overrides, ranks",
+    [
+        (["trainer.devices=2", "trainer.num_nodes=3", "data.batch_size=64"], 6),
+        (["strategy=ddp", "trainer.devices=4", "data.batch_size=66"], 4),
+        (["strategy=ddp_spawn", "trainer.devices=[0,1,2]", "data.batch_size=64"], 3),
+    ],
+)
+def test_batch_must_split_over_the_ranks(overrides, ranks):
+    with pytest.raises(ConfigError, match=rf"data.batch_size=\d+ does not split over {ranks} ranks"):
+        check_strategy(compose_config(*overrides))
+
+
+@pytest.mark.parametrize(
+    "overrides", [["trainer.devices=2", "data.batch_size=64"], ["strategy=ddp", "trainer.devices=4"]]
+)
+def test_batches_that_split_pass(overrides):
+    check_strategy(compose_config(*overrides))
+
+
+def test_single_refuses_two_devices():
+    with pytest.raises(ConfigError, match="strategy=single: trainer.devices=2"):
+        check_strategy(compose_config("strategy=single", "trainer.devices=2"))
+
+
+def test_ranks_shard_every_global_batch_in_one_device_order():
+    x, y = torch.arange(40.0)[:, None], torch.arange(40.0)[:, None]
+    one = list(BatchLoader(x, y, 8, EpochShuffle(40, seed=3)))
+    shards = [list(BatchLoader(x, y, 8, EpochShuffle(40, seed=3), rank=r, world_size=2)) for r in (0, 1)]
+    for whole, half0, half1 in zip(one, *shards, strict=True):
+        assert len(half0[0]) == len(half1[0]) == 4
+        assert torch.equal(torch.cat([half0[0], half1[0]]), whole[0])
+
+
+@pytest.mark.parametrize(
+    "env, silent",
+    [
+        ({}, False),
+        ({"RANK": "0"}, False),
+        ({"RANK": "1"}, True),
+        ({"SLURM_PROCID": "3"}, True),
+        ({"LOCAL_RANK": "1"}, True),
+    ],
+)
+def test_ranks_above_zero_run_hydra_silently(monkeypatch, env, silent):
+    for key in ("RANK", "SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"):
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    overrides = silent_rank_overrides([])
+    assert ("hydra.output_subdir=null" in overrides) == silent
+    assert ("hydra.run.dir=." in overrides) == silent
+    assert "hydra.run.dir=." not in silent_rank_overrides(["hydra.run.dir=/a/run"])
+
+
+def test_dataparallel_code_path_on_cpu_equals_single_device(runs, tmp_path, monkeypatch):
+    # Without CUDA, torch.nn.DataParallel calls the module directly: this runs the strategy's capture of
+    # `self.log`, its weighted loss reduction and its logging, though not the scatter over GPUs.
+    monkeypatch.setattr("experiments.train.check_strategy", lambda cfg: None)
+    cfg = compose_config("strategy=dp", "trainer.accelerator=cpu", "data.batch_size=256", "logger=csv")
+    record = train(cfg, tmp_path)
+    assert record["strategy"] == "dp"
+    assert relative_difference(weights(tmp_path), weights(runs["single_256"])) <= 1e-5
+    logged = (tmp_path / "csv" / "metrics.csv").read_text().splitlines()
+    assert "train/loss" in logged[0]
+    assert (
+        sum(1 for row in logged[1:] if row.split(",")[logged[0].split(",").index("train/loss")]) == 4
+    )  # once per step
+
+
+@CUDA
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=TWO_GPUS)])
+def test_dataparallel_on_gpus_equals_single_device(tmp_path, devices):
+    common = ["trainer.accelerator=gpu", "data.batch_size=256", "logger=none"]
+    single = train(compose_config("strategy=single", *common), tmp_path / "single")
+    dp = train(compose_config("strategy=dp", f"trainer.devices={devices}", *common), tmp_path / "dp")
+    assert (dp["strategy"], dp["devices"], dp["world_size"]) == ("dp", devices, 1)
+    assert relative_difference(weights(tmp_path / "dp"), weights(tmp_path / "single")) <= 1e-5
+    assert dp["global_step"] == single["global_step"]
+
+
+@CUDA
+def test_dataparallel_refuses_more_gpus_than_there_are(tmp_path):
+    with pytest.raises(ConfigError, match="strategy=dp: trainer.devices="):
+        check_strategy(compose_config("strategy=dp", f"trainer.devices={torch.cuda.device_count() + 1}"))
+
+
+def test_environment_is_restored_after_a_job(monkeypatch):
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    before = dict(os.environ)
+    with ranks_join_this_job():
+        os.environ["LOCAL_RANK"] = "0"  # what Lightning's launcher leaves behind
+        os.environ["MASTER_PORT"] = "1"
+    assert dict(os.environ) == before
