@@ -126,3 +126,14 @@ def test_tensorboard_server_lists_every_job_by_its_overrides(joblib_sweep):
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def test_a_job_reports_its_own_peak_memory_not_its_process(run_in_process):
+    # Jobs that share a process (basic launcher, joblib worker) must not inherit an earlier job's peak.
+    import resource
+
+    earlier_job = b"x" * (800 * 2**20)  # 800 MiB, resident: every page is written
+    del earlier_job
+    process_peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10
+    metrics, _ = run_in_process()
+    assert metrics["peak_memory_mb"] < process_peak_mb - 400

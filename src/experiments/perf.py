@@ -2,6 +2,7 @@
 
 import resource
 import time
+from pathlib import Path
 
 import lightning as L
 import torch
@@ -13,6 +14,18 @@ def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # Linux reports KiB
+
+
+def reset_peak_memory(device: torch.device) -> None:
+    """Start the peak from now, so that the jobs of a sweep that run one after another in one process (Hydra's
+    basic launcher, a joblib worker) each report their own peak rather than the largest so far."""
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        return
+    try:  # Linux: writing 5 to clear_refs resets the peak resident set (VmHWM, ru_maxrss); see proc(5)
+        Path("/proc/self/clear_refs").write_text("5")
+    except OSError:
+        pass  # elsewhere the peak stays the process's
 
 
 class PerfMonitor(Callback):
@@ -30,8 +43,7 @@ class PerfMonitor(Callback):
         self.summary: dict[str, float] = {}
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if pl_module.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats(pl_module.device)
+        reset_peak_memory(pl_module.device)
         self.fit_start = time.perf_counter()
         self.steps = 0
         self.clock_start = None  # (time, steps) when the warm-up ended

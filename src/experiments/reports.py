@@ -20,10 +20,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from experiments.records import write_atomic  # noqa: E402
 from experiments.sweeps import Job, find_jobs  # noqa: E402
 
-# Settings that a section reads from metrics.json instead (the value that ran, whatever set it).
-BATCH_KEYS = {"data.batch_size"}
-DEVICE_KEYS = {"trainer.accelerator", "trainer.devices", "trainer.num_nodes", "strategy", "trainer.strategy"}
-ACCUMULATION_KEYS = {"trainer.accumulate_grad_batches"}
+# Settings that a section reads from metrics.json instead (the values that ran, whatever set them).
+BATCH_KEYS = ("data.batch_size",)
+DEVICE_KEYS = ("trainer.accelerator", "trainer.devices", "trainer.num_nodes", "trainer.strategy")
+ACCUMULATION_KEYS = ("trainer.accumulate_grad_batches",)
 
 
 @dataclass
@@ -45,14 +45,14 @@ def loss_curves(job: Job, tag: str = "train/loss") -> list[tuple[int, float]]:
     return sorted(points)
 
 
-def varying(jobs: list[Job]) -> set[str]:
-    """The override keys whose values differ between jobs: the settings a sweep compares."""
-    keys = {k for job in jobs for k in job.params}
-    return {k for k in keys if len({job.params.get(k) for job in jobs}) > 1}
+def varying(jobs: list[Job], but: tuple[str, ...] = ()) -> list[str]:
+    """The settings whose values differ between jobs (the ones a sweep compares), less those under `but`."""
+    keys = {k for job in jobs for k in job.settings if not k.startswith(but)}
+    return sorted(k for k in keys if len({job.settings.get(k) for job in jobs}) > 1)
 
 
 def series_label(job: Job, keys: list[str], extra: tuple = ()) -> str:
-    parts = [*extra, *(f"{k}={job.params.get(k)}" for k in keys)]
+    parts = [*extra, *(f"{k}={job.settings.get(k)}" for k in keys)]
     return ", ".join(str(p) for p in parts) or "all jobs"
 
 
@@ -106,7 +106,7 @@ def jobs_section(jobs: list[Job]) -> Section:
 
 def loss_section(jobs: list[Job], out: Path) -> Section:
     section = Section("Training loss per job")
-    keys = sorted(varying(jobs))
+    keys = varying(jobs)
     curves = {f"{j.num}: {series_label(j, keys)}": loss_curves(j) for j in jobs}
     curves = {label: points for label, points in curves.items() if points}
     if not curves:
@@ -128,13 +128,12 @@ def loss_section(jobs: list[Job], out: Path) -> Section:
     return section
 
 
-def by_series(jobs: list[Job], x_keys: set[str], device: bool = True) -> dict[str, list[Job]]:
-    """Jobs grouped by everything that is neither the x axis nor in `x_keys` (device set-up as a label)."""
-    keys = sorted(varying(jobs) - x_keys - (DEVICE_KEYS if device else set()))
+def by_series(jobs: list[Job], x_keys: tuple[str, ...]) -> dict[str, list[Job]]:
+    """Jobs grouped by their device set-up and every swept setting that is not on the x axis (`x_keys`)."""
+    keys = varying(jobs, but=x_keys + DEVICE_KEYS)
     groups: dict[str, list[Job]] = {}
     for job in jobs:
-        extra = (device_label(job.metrics),) if device else ()
-        groups.setdefault(series_label(job, keys, extra), []).append(job)
+        groups.setdefault(series_label(job, keys, (device_label(job.metrics),)), []).append(job)
     return groups
 
 
@@ -144,7 +143,7 @@ def xy_section(
     title: str,
     x: str,
     y: str,
-    x_keys: set[str],
+    x_keys: tuple[str, ...],
     xlabel: str,
     ylabel: str,
     filename: str,
@@ -185,13 +184,13 @@ def memory_section(jobs: list[Job], out: Path) -> Section:
 def baseline_key(job: Job, keys: list[str]) -> tuple:
     """What a job must share with its baseline: batch, accumulation and every swept non-device setting."""
     m = job.metrics
-    return (m["global_batch_size"], m["accumulate_grad_batches"], *(job.params.get(k) for k in keys))
+    return (m["global_batch_size"], m["accumulate_grad_batches"], *(job.settings.get(k) for k in keys))
 
 
 def speedup_section(jobs: list[Job], out: Path) -> Section:
     section = Section("Speed-up over the CPU baseline (1 CPU device, same batch and settings)")
     done = completed(jobs)
-    keys = sorted(varying(done) - DEVICE_KEYS - BATCH_KEYS)
+    keys = varying(done, but=DEVICE_KEYS + BATCH_KEYS + ACCUMULATION_KEYS)
     baselines = {
         baseline_key(j, keys): j for j in done if j.metrics["accelerator"] == "cpu" and j.metrics["devices"] == 1
     }
@@ -231,7 +230,7 @@ def scaling_section(jobs: list[Job], out: Path) -> Section:
     """Throughput on N devices over N times the throughput on one device of the same kind and batch."""
     section = Section("Multi-device scaling efficiency (DP, DDP)")
     done = completed(jobs)
-    keys = sorted(varying(done) - DEVICE_KEYS - BATCH_KEYS)
+    keys = varying(done, but=DEVICE_KEYS + BATCH_KEYS + ACCUMULATION_KEYS)
     singles = {(j.metrics["accelerator"], *baseline_key(j, keys)): j for j in done if j.metrics["devices"] == 1}
     rows = []
     for job in done:
@@ -243,7 +242,7 @@ def scaling_section(jobs: list[Job], out: Path) -> Section:
         rows.append(
             {
                 "series": f"{m['accelerator']} {m['strategy']}, batch {m['global_batch_size']}"
-                + "".join(f", {k}={job.params.get(k)}" for k in keys),
+                + "".join(f", {k}={job.settings.get(k)}" for k in keys),
                 "devices": n,
                 "samples_per_sec": m["samples_per_sec"],
                 "single_device_samples_per_sec": single.metrics["samples_per_sec"],
@@ -271,7 +270,7 @@ def accumulation_section(jobs: list[Job], out: Path) -> Section:
     section = Section("Memory and throughput vs gradient accumulation")
     groups = {
         k: sorted(v, key=lambda j: j.metrics["accumulate_grad_batches"])
-        for k, v in by_series(completed(jobs), BATCH_KEYS | ACCUMULATION_KEYS).items()
+        for k, v in by_series(completed(jobs), BATCH_KEYS + ACCUMULATION_KEYS).items()
     }
     # Compare at one effective batch: accumulation trades micro-batch size for micro-steps.
     series = {}

@@ -39,6 +39,7 @@ class Job:
     status: str  # completed, failed, interrupted; running while a job has left no record yet
     error: str = ""
     metrics: dict = field(default_factory=dict)
+    settings: dict[str, str] = field(default_factory=dict)  # the composed config, flattened: "data.batch_size"
 
     @property
     def params(self) -> dict[str, str]:
@@ -61,6 +62,10 @@ def read_job(job_dir: Path) -> Job:
     num = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.job.num") if hydra_file.exists() else None
     record = _read_json(job_dir / JOB_RECORD)
     metrics = _read_json(job_dir / "metrics.json")
+    config_file = job_dir / ".hydra" / "config.yaml"
+    settings = (
+        flatten(OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)) if config_file.exists() else {}
+    )
     if record.get("status") == "failed":
         status = "failed"  # the job raised; metrics.json, if any, says how far it got
     else:
@@ -72,7 +77,18 @@ def read_job(job_dir: Path) -> Job:
         status=status,
         error=record.get("error", ""),
         metrics=metrics,
+        settings=settings,
     )
+
+
+def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+    flat = {}
+    for key, value in tree.items():
+        if isinstance(value, dict):
+            flat |= flatten(value, f"{prefix}{key}.")
+        else:
+            flat[f"{prefix}{key}"] = str(value)
+    return flat
 
 
 def _read_json(path: Path) -> dict:

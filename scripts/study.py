@@ -1,0 +1,354 @@
+"""The seed's five pieces of advice as measured, re-runnable results: runs the study sweeps, writes docs/study.md.
+
+    python scripts/study.py                    # every claim: about 10 minutes on 2 CPU cores
+    python scripts/study.py --only batch       # one claim: transfer, batch, memory, scaling, accumulation
+
+Each claim is one or two Hydra multiruns of conf/experiment/study_*.yaml (outputs/study/<time>/<claim>/),
+read back through results.csv's sources (experiments.sweeps) and drawn with experiments.reports. Every
+conclusion in docs/study.md is computed from the numbers of this run. Claims about GPUs are marked
+unverified unless a GPU ran them; with CUDA present the sweeps add the GPU (and larger sizes).
+"""
+
+import argparse
+import datetime
+import os
+import platform
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import torch  # noqa: E402
+
+from experiments.records import write_atomic  # noqa: E402
+from experiments.reports import (  # noqa: E402
+    Section,
+    accumulation_section,
+    completed,
+    markdown_table,
+    memory_section,
+    save,
+    scaling_section,
+    speedup_section,
+    throughput_section,
+)
+from experiments.sweeps import Job, find_jobs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs"
+GPUS = torch.cuda.device_count()
+
+
+@dataclass
+class Sweep:
+    name: str
+    overrides: list[str]
+    gpu_overrides: list[str]  # added when CUDA is there
+
+
+# The seed's advice (shared/seed/, in Chinese), in English.
+SEED_SAYS = {
+    "transfer": "Moving data from the CPU to the GPU has a cost: small models or small batches may see no "
+    "clear speed-up; larger models and data gain more.",
+    "batch": "Use batches as far as possible, to make the most of the GPU's parallel computation.",
+    "memory": "GPU memory is limited: manage it so that it does not overflow.",
+    "scaling": "PyTorch can compute in parallel on several GPUs, with torch.nn.DataParallel or "
+    "torch.nn.parallel.DistributedDataParallel.",
+    "accumulation": "Accumulating the gradients of several small batches before one parameter update "
+    "relieves the pressure on GPU memory.",
+}
+
+SWEEPS = {
+    "transfer": [
+        Sweep("transfer", ["experiment=study_transfer"], ["trainer.accelerator=cpu,gpu", "data.on_device=false,true"])
+    ],
+    "batch": [Sweep("batch", ["experiment=study_batch"], ["trainer.accelerator=gpu", "data.num_features=1000"])],
+    "memory": [Sweep("memory", ["experiment=study_memory"], ["trainer.accelerator=gpu"])],
+    "scaling": [
+        Sweep("scaling", ["experiment=study_scaling"], ["trainer.accelerator=gpu"] if GPUS >= 2 else []),
+        *(
+            [Sweep("scaling-dp", ["experiment=study_scaling", "strategy=dp"], ["trainer.accelerator=gpu"])]
+            * (GPUS >= 2)
+        ),
+    ],
+    "accumulation": [
+        # in a process of its own per job (the experiment's launcher): each job's own peak memory
+        Sweep(
+            "accumulation-memory",
+            ["experiment=glob(study_accumulation_b*)", "hydra/launcher=submitit_local"],
+            ["trainer.accelerator=gpu"],
+        ),
+        # one after another in one process: throughput without neighbours
+        Sweep("accumulation-speed", ["experiment=glob(study_accumulation_b*)"], ["trainer.accelerator=gpu"]),
+    ],
+}
+
+
+def run_sweep(sweep: Sweep, study_dir: Path) -> tuple[list[Job], str]:
+    """Runs one multirun; returns its jobs and the command as a user would type it."""
+    sweep_dir = study_dir / sweep.name
+    overrides = sweep.overrides + (sweep.gpu_overrides if GPUS else [])
+    command = [sys.executable, "train.py", "-m", *overrides, f"hydra.sweep.dir={sweep_dir}"]
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    with open(sweep_dir / "sweep.log", "w") as log:
+        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    typed = "python train.py -m " + " ".join(f"'{o}'" if "(" in o else o for o in overrides)
+    print(f"{sweep.name}: exit {done.returncode} in {time.perf_counter() - started:.0f} s ({sweep_dir})", flush=True)
+    return find_jobs(sweep_dir), typed
+
+
+def ratio_text(a: float, b: float) -> str:
+    return f"{a / b:.2f}x"
+
+
+# Each claim: (sections, conclusion lines, verified-on line) from its jobs.
+
+
+def transfer_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str], str]:
+    done = completed(jobs)
+    rows = []
+    for j in done:
+        m = j.metrics
+        rows.append(
+            {
+                "num_features": int(j.settings["data.num_features"]),
+                "global_batch_size": m["global_batch_size"],
+                "accelerator": m["accelerator"],
+                "data_device": m.get("data_device", "?"),
+                "step_time_ms": m["step_time_ms"],
+                "transfer_ms": m.get("transfer_ms", 0.0),
+                "transfer_share_pct": 100 * m.get("transfer_ms", 0.0) / m["step_time_ms"],
+                "us_per_sample": 1e3 * m["step_time_ms"] / m["global_batch_size"],
+            }
+        )
+    section = Section("Step time: host-to-device copy and the rest", columns=list(rows[0]) if rows else [], rows=rows)
+    lines = []
+    if rows:
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        labels = [f"d={r['num_features']}, B={r['global_batch_size']}\n{r['accelerator']}, data on {r['data_device']}"
+                  for r in rows]  # fmt: skip
+        copy = [r["transfer_ms"] for r in rows]
+        rest = [r["step_time_ms"] - r["transfer_ms"] for r in rows]
+        ax.bar(labels, copy, label="host-to-device copy")
+        ax.bar(labels, rest, bottom=copy, label="rest of the step")
+        ax.set(title="Time per training step: copy vs compute", ylabel="time per step (ms)",
+               xlabel="model width d (features), global batch B, device, where the data lives")  # fmt: skip
+        ax.tick_params(axis="x", labelsize="x-small")
+        ax.legend()
+        section.plot = save(fig, out / "transfer.png")
+        cpu = {(r["num_features"], r["global_batch_size"]): r for r in rows if r["accelerator"] == "cpu"}
+        for d in sorted({r["num_features"] for r in cpu.values()}):
+            batches = sorted(b for dd, b in cpu if dd == d)
+            if len(batches) > 1:
+                small, large = cpu[(d, batches[0])], cpu[(d, batches[-1])]
+                lines.append(
+                    f"CPU, d={d}: {small['us_per_sample']:.3g} µs per sample at B={batches[0]} against "
+                    f"{large['us_per_sample']:.3g} µs at B={batches[-1]} "
+                    f"({ratio_text(small['us_per_sample'], large['us_per_sample'])} more per sample in small batches)."
+                )
+        lines.append(
+            f"On the CPU no copy happens: transfer_ms is at most {max(r['transfer_ms'] for r in cpu.values()):.3g} ms "
+            "per step."
+            if cpu
+            else "No CPU job completed."
+        )
+        gpu = [r for r in rows if r["accelerator"] == "cuda"]
+        for r in gpu:
+            base = cpu.get((r["num_features"], r["global_batch_size"]))
+            speedup = f", {ratio_text(base['step_time_ms'], r['step_time_ms'])} faster than the CPU" if base else ""
+            lines.append(
+                f"GPU, d={r['num_features']}, B={r['global_batch_size']}, data on {r['data_device']}: the copy is "
+                f"{r['transfer_share_pct']:.3g}% of a {r['step_time_ms']:.3g} ms step{speedup}."
+            )
+    verified = "GPU: measured." if any(r["accelerator"] == "cuda" for r in rows) else (
+        "**GPU: unverified** (no GPU ran this study): the copy to a GPU and the GPU speed-up were not measured; "
+        "the CPU rows show the fixed cost per step that makes a small model gain little."
+    )  # fmt: skip
+    return [section], lines, verified
+
+
+def batch_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str], str]:
+    section = throughput_section(jobs, out)
+    lines = []
+    for label in dict.fromkeys(r["series"] for r in section.rows):
+        points = [(r["global_batch_size"], r["samples_per_sec"]) for r in section.rows if r["series"] == label]
+        (b0, s0), (b1, s1) = points[0], points[-1]
+        best_b, best_s = max(points, key=lambda p: p[1])
+        near = min(b for b, s in points if s >= 0.9 * best_s)
+        lines.append(
+            f"{label}: {s0:.3g} samples/s at B={b0}, {s1:.3g} at B={b1} ({ratio_text(s1, s0)}); the most, "
+            f"{best_s:.3g} samples/s, at B={best_b}; within 10% of it from B={near}."
+        )
+    return [section], lines, gpu_line(jobs, "the GPU's throughput against batch size")
+
+
+def memory_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str], str]:
+    section = memory_section(jobs, out)
+    lines = []
+    for label in dict.fromkeys(r["series"] for r in section.rows):
+        points = [(r["global_batch_size"], r["peak_memory_mb"]) for r in section.rows if r["series"] == label]
+        (b0, m0), (b1, m1) = points[0], points[-1]
+        width = int(next(j for j in jobs if j.status == "completed").settings["data.num_features"])
+        per_sample = (m1 - m0) * 2**20 / (b1 - b0)
+        lines.append(
+            f"{label}: peak {m0:.4g} MiB at B={b0}, {m1:.4g} MiB at B={b1} (+{m1 - m0:.3g} MiB): about "
+            f"{per_sample:.3g} bytes per extra sample in a batch, against the {4 * width} bytes of its "
+            f"{width} float32 features."
+        )
+    cpu_note = " On the CPU, peak memory is the process's peak resident set during training."
+    return [section], [*lines, cpu_note.strip()], gpu_line(jobs, "GPU memory")
+
+
+def scaling_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str], str]:
+    speedup, scaling = speedup_section(jobs, out), scaling_section(jobs, out)
+    lines = [
+        f"{r['series']}: {r['samples_per_sec']:.3g} samples/s on {r['devices']} devices against "
+        f"{r['single_device_samples_per_sec']:.3g} on one: {r['speedup']:.2f}x, {r['efficiency_pct']:.3g}% "
+        "scaling efficiency."
+        for r in scaling.rows
+    ]
+    if any(r["efficiency_pct"] > 110 for r in scaling.rows):
+        lines.append(
+            "An efficiency above 100% cannot come from the devices themselves: the one-device job of that row was "
+            "slowed by other load on this machine while it ran. Re-run the study on an idle machine."
+        )
+    failed = [j for j in jobs if j.status != "completed"]
+    lines += [f"Job {j.num} ({' '.join(j.overrides)}) {j.status}: {j.error or 'see its metrics.json'}" for j in failed]
+    if not scaling.rows:
+        lines.append("No multi-device job completed beside a one-device job: nothing to compare.")
+    if GPUS < 2:
+        verified = (
+            "CPU: DDP measured (two processes over gloo on this machine's cores). **GPU: unverified**: "
+            "DataParallel needs CUDA, and multi-GPU DDP needs two GPUs; this run had "
+            f"{GPUS or 'no'} GPU{'s' if GPUS != 1 else ''}."
+        )
+    else:
+        verified = f"GPU: measured on {GPUS} GPUs."
+    return [speedup, scaling], lines, verified
+
+
+def accumulation_claim(memory_jobs: list[Job], speed_jobs: list[Job], out: Path):
+    """Memory from the jobs that ran in processes of their own; speed and results from the sequential ones."""
+    peak = {j.settings.get("trainer.accumulate_grad_batches"): j.metrics.get("peak_memory_mb") for j in memory_jobs}
+    merged = [
+        replace(j, metrics=j.metrics | {"peak_memory_mb": peak.get(j.settings.get("trainer.accumulate_grad_batches"))})
+        for j in completed(speed_jobs)
+        if peak.get(j.settings.get("trainer.accumulate_grad_batches")) is not None
+    ]
+    section = accumulation_section(merged, out)
+    lines = []
+    by_acc = {j.metrics["accumulate_grad_batches"]: j for j in merged}
+    if 1 in by_acc and len(by_acc) > 1:
+        one = by_acc[1]
+        w_one = final_weights(one)
+        for acc, j in sorted(by_acc.items()):
+            if acc == 1:
+                continue
+            m, m1 = j.metrics, one.metrics
+            diff = (final_weights(j) - w_one).norm() / w_one.norm()
+            lines.append(
+                f"{acc} x {m['global_batch_size']} against 1 x {m1['global_batch_size']} (effective batch "
+                f"{m['effective_batch_size']}): final weights differ by {diff:.2g} (relative), val MSE "
+                f"{m['val_mse']:.6g} vs {m1['val_mse']:.6g}; peak memory {m['peak_memory_mb']:.4g} vs "
+                f"{m1['peak_memory_mb']:.4g} MiB ({m['peak_memory_mb'] - m1['peak_memory_mb']:+.3g} MiB); "
+                f"throughput {m['samples_per_sec']:.3g} vs {m1['samples_per_sec']:.3g} samples/s "
+                f"({ratio_text(m['samples_per_sec'], m1['samples_per_sec'])})."
+            )
+    else:
+        lines.append("No accumulation job completed beside the 1-step baseline: nothing to compare.")
+    return [section], lines, gpu_line(merged, "GPU memory and speed")
+
+
+def final_weights(job: Job) -> torch.Tensor:
+    state = torch.load(job.dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    return torch.cat([state["net.weight"].flatten(), state["net.bias"].flatten()]).double()
+
+
+def gpu_line(jobs: list[Job], what: str) -> str:
+    if any(j.metrics.get("accelerator") == "cuda" for j in completed(jobs)):
+        return "GPU: measured."
+    return f"CPU: measured. **GPU: unverified** ({what} not measured: no GPU ran this study)."
+
+
+TITLES = {
+    "transfer": "(a) Host-to-device transfer overhead",
+    "batch": "(b) Batch size and throughput",
+    "memory": "(c) Memory and batch size",
+    "scaling": "(d) One device, DataParallel and DDP",
+    "accumulation": "(e) Gradient accumulation",
+}
+
+
+def machine() -> str:
+    gpu = ", ".join(torch.cuda.get_device_name(i) for i in range(GPUS)) or "none"
+    return (
+        f"{platform.machine()}, {os.cpu_count()} CPU cores, GPU: {gpu}; Python {platform.python_version()}, "
+        f"torch {torch.__version__}"
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--only", choices=list(SWEEPS), action="append", help="run only these claims")
+    parser.add_argument("--out", type=Path, default=DOCS / "study.md", help="the markdown file to write")
+    args = parser.parse_args()
+    claims = args.only or list(SWEEPS)
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
+    study_dir = ROOT / "outputs" / "study" / stamp
+    started = time.perf_counter()
+
+    parts = []
+    for claim in claims:
+        results = [run_sweep(sweep, study_dir) for sweep in SWEEPS[claim]]
+        out = args.out.parent / "study" / claim
+        jobs = [job for sweep_jobs, _ in results for job in sweep_jobs]
+        if claim == "transfer":
+            sections, lines, verified = transfer_claim(jobs, out)
+        elif claim == "batch":
+            sections, lines, verified = batch_claim(jobs, out)
+        elif claim == "memory":
+            sections, lines, verified = memory_claim(jobs, out)
+        elif claim == "scaling":
+            sections, lines, verified = scaling_claim(jobs, out)
+        else:
+            sections, lines, verified = accumulation_claim(results[0][0], results[1][0], out)
+        parts.append(render_claim(claim, results, sections, lines, verified, args.out.parent))
+
+    minutes = (time.perf_counter() - started) / 60
+    header = (
+        "# The seed's advice, measured\n\n"
+        "Written by `python scripts/study.py` (do not edit by hand); every number and conclusion below comes "
+        f"from the run of {datetime.date.today()}, which took {minutes:.1f} minutes on: {machine()}.\n\n"
+        "Speeds are from one machine shared with other work: compare the rows of one table (same run), not "
+        "absolute figures between runs. Each job's full record is in `results.csv` of its sweep dir, "
+        f"`outputs/study/{stamp}/<claim>/`, and `python scripts/report.py <that dir>` draws all its plots.\n"
+    )
+    write_atomic(args.out, "\n".join([header, *parts]))
+    print(args.out)
+
+
+def render_claim(claim, results, sections, lines, verified, relative_to: Path) -> str:
+    text = [f"## {TITLES[claim]}\n", f"The seed: *{SEED_SAYS[claim]}*\n", "Sweeps:\n"]
+    text += [f"    {typed}" for _, typed in results]
+    text.append("")
+    for s in sections:
+        if s.plot:
+            text.append(f"![{s.title}]({s.plot.relative_to(relative_to)})\n")
+        if s.rows:
+            text.append(markdown_table(s.columns, s.rows) + "\n")
+        elif s.note:
+            text.append(s.note + "\n")
+    text.append("**What the numbers say.**\n")
+    text += [f"- {line}" for line in lines]
+    text.append(f"\n{verified}\n")
+    return "\n".join(text)
+
+
+if __name__ == "__main__":
+    main()
