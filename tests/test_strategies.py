@@ -251,6 +251,8 @@ def test_ranks_shard_every_global_batch_in_one_device_order():
         ({"RANK": "1"}, True),
         ({"SLURM_PROCID": "3"}, True),
         ({"LOCAL_RANK": "1"}, True),
+        ({"SLURM_PROCID": "0", "LOCAL_RANK": "1"}, True),  # Lightning's rank 1 inside a one-task SLURM job
+        ({"NODE_RANK": "1", "LOCAL_RANK": "0"}, True),
     ],
 )
 def test_ranks_above_zero_run_hydra_silently(monkeypatch, env, silent):

@@ -199,14 +199,14 @@ def check_strategy(cfg: DictConfig) -> None:
         )
 
 
-def rank_from_env() -> int:
-    """This process's global rank as its launcher announced it; 0 for a process nobody launched."""
+def launched_as_rank_zero() -> bool:
+    """Whether this process is rank 0 as its launcher announced it; True for a process nobody launched."""
     env = os.environ
-    for key in ("RANK", "SLURM_PROCID"):  # torchrun; SLURM's srun
-        if key in env:
-            return int(env[key])
-    # Lightning's own launcher sets these for the ranks it starts; NODE_RANK alone marks a further node.
-    return int(env.get("NODE_RANK", 0)) + int(env.get("LOCAL_RANK", 0))
+    if "RANK" in env:  # torchrun: the global rank itself
+        return int(env["RANK"]) == 0
+    # SLURM's srun sets SLURM_PROCID; Lightning's own launcher sets LOCAL_RANK and NODE_RANK for the ranks it
+    # starts, also inside a SLURM job whose single task is rank 0 (its children inherit SLURM_PROCID=0).
+    return all(int(env.get(key, 0)) == 0 for key in ("SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
 
 
 def silent_rank_overrides(args: list[str]) -> list[str]:
@@ -216,7 +216,7 @@ def silent_rank_overrides(args: list[str]) -> list[str]:
     dir is the run's: ranks > 0 write nothing there (Lightning loggers and checkpoints write on rank 0, and
     `ModelCheckpoint` broadcasts rank 0's dir), so they stay in the working directory unless told a dir.
     """
-    if rank_from_env() == 0:
+    if launched_as_rank_zero():
         return []
     overrides = ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
     if not any(a.startswith("hydra.run.dir=") for a in args):
