@@ -66,16 +66,33 @@ class BatchLoader:
         self.sampler = sampler
         self.rank, self.world_size = rank, world_size
         self.drop_last = drop_last
+        self.epoch, self.batches = sampler.epoch, 0  # the position: batches handed out in this epoch
+        self.resume_at: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         n = len(self.x)
         return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
 
+    def state_dict(self) -> dict[str, int]:
+        # Lightning keeps this in its checkpoints and hands it back on resume, so that an epoch interrupted
+        # half-way goes on from the next batch. Batches handed out are batches the loop has taken: Lightning
+        # prefetches nothing from a loader that has a length (`_PrefetchDataFetcher.__iter__`).
+        return {"epoch": self.epoch, "batches": self.batches}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.resume_at = (state["epoch"], state["batches"])
+
     def __iter__(self):
+        # The body runs at the first batch, after Lightning has called `sampler.set_epoch`: a saved position
+        # applies only to the epoch it was saved in (a checkpoint at an epoch's end starts the next one whole).
+        start = self.resume_at[1] if self.resume_at and self.resume_at[0] == self.sampler.epoch else 0
+        self.resume_at = None
+        self.epoch, self.batches = self.sampler.epoch, start
         order = self.sampler.order().to(self.x.device)
-        for i in range(len(self)):
+        for i in range(start, len(self)):
             batch = order[i * self.batch_size : (i + 1) * self.batch_size]
             local = torch.tensor_split(batch, self.world_size)[self.rank]
+            self.batches = i + 1
             yield self.x[local], self.y[local]
 
 

@@ -8,6 +8,8 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanAbsoluteError, MeanSquaredError, MetricCollection, R2Score
 
+from experiments.failures import check_loss
+
 
 class Regressor(L.LightningModule):
     """MSE regression of any `nn.Module`, trained with the optimizer that `optimizer(params)` builds.
@@ -55,6 +57,9 @@ class Regressor(L.LightningModule):
         loss = F.mse_loss(self(x), y)
         # A tensor, not `.item()`, and no progress-bar entry: Lightning reads it only at log steps.
         self.log("train/loss", loss)
+        # Before the backward pass, so a diverged step never reaches the weights or a checkpoint.
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
+        check_loss(loss, self.global_step, self.current_epoch, batch_idx, lr, self.trainer.log_every_n_steps)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:

@@ -1,4 +1,4 @@
-"""What a run leaves behind: metrics.json, written whole or not at all."""
+"""What a run leaves behind: metrics.json and checkpoints, written whole or not at all."""
 
 import json
 import os
@@ -7,9 +7,13 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.fabric.plugins import TorchCheckpointIO
 from torchmetrics.functional import mean_squared_error, r2_score
 
 from experiments.data import RegressionData
+
+UMASK = os.umask(0o022)  # reading the umask means setting it: put it straight back
+os.umask(UMASK)
 
 
 def write_atomic(path: Path, text: str) -> None:
@@ -17,6 +21,7 @@ def write_atomic(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes the file private (0600); give it a new file's mode
         with os.fdopen(fd, "w") as f:
             f.write(text)
             f.flush()
@@ -25,6 +30,21 @@ def write_atomic(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """Lightning's checkpoint writer, atomic on every filesystem (`trainer.plugins`).
+
+    Lightning writes through an fsspec transaction whose temporary file sits in the system's temp dir; when
+    that is another filesystem than the run dir, the final move is a copy, and a crash during it leaves half
+    a checkpoint. Here the checkpoint is written beside its target, then renamed over it.
+    """
+
+    def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
+        path = Path(path)
+        tmp = path.with_name(f".{path.name}.tmp")
+        super().save_checkpoint(checkpoint, tmp, storage_options)
+        os.replace(tmp, path)
 
 
 def final_figures(net: torch.nn.Module, data: RegressionData) -> dict[str, float]:

@@ -3,12 +3,15 @@
 `train(cfg, run_dir)` is a plain function that tests call with a composed config; `main` adds Hydra.
 """
 
+import os
+import signal
 import sys
 import time
 from pathlib import Path
 
 import hydra
 import lightning as L
+import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
@@ -16,16 +19,29 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.checks import ConfigError
+from experiments.checks import ConfigError, check_config, resolve_checkpoint
+from experiments.failures import (
+    EXIT_BAD_INPUT,
+    EXIT_FAILED,
+    Interrupted,
+    Interruption,
+    RunFailed,
+    end_with_parent,
+    out_of_memory,
+)
 from experiments.module import Regressor
 from experiments.perf import PerfMonitor
-from experiments.records import final_figures, run_record, write_metrics
+from experiments.records import AtomicCheckpointIO, final_figures, run_record, write_metrics
 from experiments.strategies import check_strategy, ranks_join_this_job
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     started = time.perf_counter()
+    check_config(cfg)
     check_strategy(cfg)
+    if "LOCAL_RANK" in os.environ:  # started by a launcher, not by the user
+        end_with_parent()
+    ckpt_path = resolve_checkpoint(cfg.ckpt_path, run_dir)
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = instantiate(cfg.data)
     data.setup("fit")
@@ -40,19 +56,32 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 
     perf = PerfMonitor(global_batch_size=cfg.data.batch_size)
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0)
+    # A signal saves the exact position over last.ckpt, so that `ckpt_path=last` resumes from it.
+    interruption = Interruption(str(run_dir / "checkpoints" / "last.ckpt"))
     logger = instantiate(cfg.logger, save_dir=str(run_dir)) if cfg.logger else False
-    trainer = instantiate(cfg.trainer, callbacks=[perf, checkpoint], logger=logger, default_root_dir=run_dir)
+    callbacks = [perf, checkpoint, interruption]
+    trainer = instantiate(
+        cfg.trainer, callbacks=callbacks, logger=logger, plugins=[AtomicCheckpointIO()], default_root_dir=run_dir
+    )
 
     status = "failed"
     try:
         with ranks_join_this_job():
-            trainer.fit(module, datamodule=data, ckpt_path=cfg.ckpt_path)
-        status = "interrupted" if trainer.interrupted else "completed"
+            trainer.fit(module, datamodule=data, ckpt_path=ckpt_path)
+        status = "completed"
+    except Interrupted:
+        status = "interrupted"
+        raise
+    except torch.OutOfMemoryError as err:
+        raise out_of_memory(err, cfg.data.batch_size, cfg.trainer.accumulate_grad_batches) from None
     finally:
         train_loss = trainer.callback_metrics.get("train/loss")
+        # A failed run's weights may be unusable (diverged), and after running out of memory, measuring
+        # them could run out again: its fit is left blank.
+        unmeasured = {"val_mse": None, "val_r2": None, "optimal_val_mse": data.optimal_val_mse}
         metrics = {
             **run_record(trainer, status, cfg.data.batch_size),
-            **final_figures(module.net, data),
+            **(final_figures(module.net, data) if status != "failed" else unmeasured),
             "train_loss": None if train_loss is None else train_loss.item(),
             **perf.summary,
             "wall_time_s": time.perf_counter() - started,
@@ -94,10 +123,21 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
-        run_sweep_job(cfg)
-        return
+    # Exit codes (experiments.failures, README "Failures and resuming"): 0 completed, 1 failed, 2 bad input,
+    # 128 + the signal's number when interrupted.
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
-    except ConfigError as err:
-        sys.exit(f"error: {err}")
+        if multirun:
+            run_sweep_job(cfg)
+        else:
+            train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    except Interrupted as stop:  # a sweep stops too: the user or the scheduler asked for it
+        print(stop, file=sys.stderr)
+        sys.exit(stop.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before training started: there is nothing to save
+        sys.exit(128 + signal.SIGINT)
+    except (ConfigError, RunFailed) as err:
+        if multirun:
+            raise  # Hydra records the job as failed and runs the others
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT if isinstance(err, ConfigError) else EXIT_FAILED)

@@ -1,0 +1,367 @@
+"""Bad input fails fast and clearly; divergence, signals and dead ranks end a run cleanly; resuming is exact."""
+
+import csv
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY, cli, compose_config
+from lightning.fabric.plugins import TorchCheckpointIO
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from experiments.checks import ConfigError
+from experiments.failures import Interrupted, RunFailed
+from experiments.module import Regressor
+from experiments.records import UMASK, AtomicCheckpointIO, write_atomic
+from experiments.train import train
+
+# ---------------------------------------------------------------------------------------------- bad input
+
+# (override, the setting the message must name). Each fails in `train` before anything is built or written.
+BAD_SETTINGS = [
+    ("data.batch_size=0", "data.batch_size=0"),
+    ("data.batch_size=abc", "data.batch_size=abc"),
+    ("data.batch_size=5000", "data.batch_size=5000"),  # larger than the training split
+    ("data.num_samples=-5", "data.num_samples=-5"),
+    ("data.num_features=0", "data.num_features=0"),
+    ("data.val_fraction=1.0", "data.val_fraction=1.0"),
+    ("data.val_fraction=nan", "data.val_fraction=nan"),
+    ("data.noise_std=-1", "data.noise_std=-1"),
+    ("trainer.accumulate_grad_batches=0", "trainer.accumulate_grad_batches=0"),
+    ("trainer.devices=0", "trainer.devices=0"),
+    ("trainer.devices=3", "data.batch_size=64"),  # 64 samples do not split over 3 ranks
+    ("trainer.num_nodes=0", "trainer.num_nodes=0"),
+    ("trainer.max_epochs=-2", "trainer.max_epochs=-2"),
+    ("trainer.precision=8-bit", "trainer.precision=8-bit"),
+    ("trainer.accelerator=quantum", "trainer.accelerator=quantum"),
+    ("trainer.accelerator=tpu", "trainer.accelerator=tpu"),  # known to Lightning, absent here
+    ("trainer.strategy=bogus", "trainer.strategy=bogus"),
+    ("optimizer.lr=0", "optimizer.lr=0"),
+    ("optimizer.lr=-0.1", "optimizer.lr=-0.1"),
+    ("optimizer.lr=nan", "optimizer.lr=nan"),
+    ("optimizer.lr=inf", "optimizer.lr=inf"),
+    ("optimizer.momentum=1.5", "optimizer.momentum=1.5"),
+    ("optimizer.weight_decay=-1", "optimizer.weight_decay=-1"),
+    ("seed=-1", "seed=-1"),
+    ("model.in_features=5", "model.in_features=5"),
+    ("ckpt_path=/no/such.ckpt", "ckpt_path=/no/such.ckpt"),
+    ("ckpt_path=last", "ckpt_path=last"),  # no run beside this one has saved a checkpoint
+]
+if not torch.cuda.is_available():
+    BAD_SETTINGS.append(("trainer.accelerator=gpu", "trainer.accelerator=gpu"))
+
+# (file content or None for no file, extra override, what the message must name)
+BAD_FILES = [
+    (None, None, "no such file"),
+    ("a,b\n1,x\n", None, "'x' is not a number"),
+    ("a,b\n1,\n", None, "missing value"),
+    ("a,b\n1,2\n3,4,5\n", None, "line 3 has 3 fields"),
+    ("a,b\n", None, "no data rows"),
+    ("a,b\n1,2\n", "data.target=price", "data.target=price"),
+]
+
+
+def assert_fails_before_any_work(overrides: list[str], run_dir: Path, expected: str) -> str:
+    with pytest.raises(ConfigError) as err:
+        train(compose_config(*overrides), run_dir)
+    message = str(err.value)
+    assert expected in message and "\n" not in message
+    assert not run_dir.exists()  # no checkpoint, log or metrics: it stopped before building the trainer
+    return message
+
+
+@pytest.mark.parametrize(("override", "expected"), BAD_SETTINGS)
+def test_bad_setting_is_refused_before_any_work(tmp_path, override, expected):
+    message = assert_fails_before_any_work([override], tmp_path / "run", expected)
+    assert "allowed" in message
+
+
+@pytest.mark.parametrize(("content", "override", "expected"), BAD_FILES)
+def test_bad_data_file_is_refused_before_any_work(tmp_path, content, override, expected):
+    path = tmp_path / "data.csv"
+    if content is not None:
+        path.write_text(content)
+    overrides = ["data=file", f"data.path={path}", *([override] if override else [])]
+    message = assert_fails_before_any_work(overrides, tmp_path / "run", expected)
+    assert "data." in message
+
+
+def test_a_required_setting_without_a_value_is_named(tmp_path):
+    assert_fails_before_any_work(["data=file"], tmp_path / "run", "data.path is required")
+
+
+@pytest.mark.parametrize(
+    ("args", "code", "named"),
+    [
+        (["data.batch_size=0"], 2, "data.batch_size=0"),
+        (["data=file", "data.path=no_such_file.csv"], 2, "data.path=no_such_file.csv"),
+        (["logger=nope"], 1, "logger"),  # an unknown group option: Hydra's own message
+    ],
+)
+def test_cli_bad_input_exits_with_one_line_and_no_traceback(tmp_path, args, code, named):
+    result = cli(*args, f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
+    assert result.returncode == code
+    assert named in result.stderr and "Traceback" not in result.stderr
+    if code == 2:
+        assert result.stderr.strip().splitlines()[-1].startswith(f"error: {named}")
+    assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+# ------------------------------------------------------------------------------------ divergence, memory
+
+
+def test_divergence_stops_at_the_step_with_a_hint(tmp_path):
+    run_dir = tmp_path / "run"
+    with pytest.raises(RunFailed, match=r"diverged.*at step \d+.*lower optimizer\.lr") as err:
+        train(compose_config("optimizer.lr=10000", "trainer.max_epochs=10"), run_dir)
+    step = int(str(err.value).split("at step ")[1].split()[0])
+    assert json.loads((run_dir / "metrics.json").read_text())["status"] == "failed"
+    # TensorBoard was flushed: every step before the diverged one is on disk, one train/loss point each.
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert len(events.Scalars("train/loss")) == step
+    assert step < 10 * 8  # it stopped early, not at the end of training
+
+
+def test_cli_divergence_exits_1_with_the_message(tmp_path):
+    result = cli("optimizer.lr=10000", "trainer.max_epochs=10", f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
+    assert result.returncode == 1
+    assert "error: training diverged" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_out_of_memory_suggests_a_smaller_batch(tmp_path, monkeypatch):
+    def out_of_memory(self, batch, batch_idx):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(Regressor, "training_step", out_of_memory)
+    with pytest.raises(RunFailed, match=r"data\.batch_size=32 trainer\.accumulate_grad_batches=2") as err:
+        train(compose_config(), tmp_path / "run")
+    assert "out of device memory with data.batch_size=64" in str(err.value)
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_real_gpu_out_of_memory_suggests_a_smaller_batch(tmp_path, monkeypatch):
+    def allocate_too_much(self, batch, batch_idx):
+        return torch.empty(2**50, device=self.device).sum()  # 4 PiB
+
+    monkeypatch.setattr(Regressor, "training_step", allocate_too_much)
+    with pytest.raises(RunFailed, match=r"out of device memory.*smaller data\.batch_size"):
+        train(compose_config("trainer.accelerator=gpu"), tmp_path / "run")
+
+
+# ------------------------------------------------------------------------------ interruption and resume
+
+RESUMABLE = ["trainer.max_epochs=3", "optimizer.momentum=0.9", "logger=none"]  # momentum: optimizer state
+
+
+def final_state(run_dir: Path) -> dict:
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    return {
+        "weights": checkpoint["state_dict"],
+        "optimizer": checkpoint["optimizer_states"][0]["state"],
+        "global_step": checkpoint["global_step"],
+        "epoch": checkpoint["epoch"],
+    }
+
+
+def assert_bit_identical(a: dict, b: dict) -> None:
+    assert (a["global_step"], a["epoch"]) == (b["global_step"], b["epoch"])
+    for name, tensor in a["weights"].items():
+        assert torch.equal(tensor, b["weights"][name]), name
+    for index, state in a["optimizer"].items():
+        assert torch.equal(state["momentum_buffer"], b["optimizer"][index]["momentum_buffer"])
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The final state of a run that was never interrupted, for each list of extra overrides."""
+    states = {}
+
+    def run(*overrides: str) -> dict:
+        if overrides not in states:
+            run_dir = tmp_path_factory.mktemp("uninterrupted")
+            train(compose_config(*RESUMABLE, *overrides), run_dir)
+            states[overrides] = final_state(run_dir)
+        return states[overrides]
+
+    return run
+
+
+# (hook that sends the signal, at its n-th call, extra overrides). 8 training batches per epoch.
+INTERRUPTIONS = {
+    "mid-epoch": ("on_train_batch_start", 5, ()),
+    "first batch": ("on_train_batch_start", 1, ()),
+    "last batch of an epoch": ("on_train_batch_start", 16, ()),
+    "during validation": ("on_validation_batch_start", 1, ()),
+    "mid accumulation": ("on_train_batch_start", 4, ("trainer.accumulate_grad_batches=3",)),
+}
+
+
+# SIGINT takes the same path as SIGTERM: one point is enough for it.
+@pytest.mark.parametrize(
+    ("point", "signum"),
+    [
+        *(pytest.param(p, signal.SIGTERM, id=f"{p}-SIGTERM") for p in INTERRUPTIONS),
+        pytest.param("mid-epoch", signal.SIGINT, id="mid-epoch-SIGINT"),
+    ],
+)
+def test_interrupted_anywhere_then_resumed_equals_uninterrupted(tmp_path, monkeypatch, uninterrupted, point, signum):
+    hook, at_call, overrides = INTERRUPTIONS[point]
+    calls = []
+
+    def send_signal(self, *args):
+        calls.append(args)
+        if len(calls) == at_call:
+            os.kill(os.getpid(), signum)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Regressor, hook, send_signal)
+        with pytest.raises(Interrupted) as stop:
+            train(compose_config(*RESUMABLE, *overrides), tmp_path / "interrupted")
+    assert stop.value.exit_code == 128 + signum
+    metrics = json.loads((tmp_path / "interrupted" / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted" and 0 < metrics["global_step"] < 24
+
+    checkpoint = tmp_path / "interrupted" / "checkpoints" / "last.ckpt"
+    train(compose_config(*RESUMABLE, *overrides, f"ckpt_path={checkpoint}"), tmp_path / "resumed")
+    assert_bit_identical(final_state(tmp_path / "resumed"), uninterrupted(*overrides))
+
+
+# The CLI: a run long enough (200 steps an epoch) to signal it mid-epoch, once the steps that CSVLogger
+# writes to csv/metrics.csv have reached 100.
+LONG = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=2"]
+
+
+def start(run_dir: Path, *args: str) -> subprocess.Popen:
+    command = [sys.executable, "train.py", *TINY, *RESUMABLE, *LONG, "logger=csv", *args, f"hydra.run.dir={run_dir}"]
+    log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115 (closed with the process)
+    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+
+
+def wait_for_steps(run_dir: Path, process: subprocess.Popen, steps: int = 100, timeout: float = 120) -> None:
+    def last_step() -> int:
+        try:  # CSVLogger rewrites the file in place: a read may catch it half written
+            rows = list(csv.DictReader((run_dir / "csv" / "metrics.csv").open()))
+            return max(int(row["step"]) for row in rows)
+        except (OSError, ValueError, KeyError, TypeError):
+            return -1
+
+    deadline = time.monotonic() + timeout
+    while last_step() < steps:
+        assert process.poll() is None, f"the run ended ({process.returncode}) before step {steps}"
+        assert time.monotonic() < deadline, f"no step {steps} after {timeout} s"
+        time.sleep(0.02)
+
+
+@pytest.mark.parametrize(
+    ("signum", "resume_with"),
+    [pytest.param(signal.SIGTERM, "file", id="SIGTERM-file"), pytest.param(signal.SIGINT, "last", id="SIGINT-last")],
+)
+def test_cli_signal_mid_epoch_then_resume_is_exact(tmp_path, uninterrupted, signum, resume_with):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    process = start(runs / "interrupted")
+    try:
+        wait_for_steps(runs / "interrupted", process)
+        process.send_signal(signum)
+        code = process.wait(timeout=60)
+    finally:
+        process.kill()
+    log = (runs / "interrupted.log").read_text()
+    assert code == 128 + signum, log[-2000:]
+    assert f"interrupted by {signal.Signals(signum).name}; resume with ckpt_path=" in log
+    metrics = json.loads((runs / "interrupted" / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted" and metrics["epochs"] == 0  # mid-epoch: 200 steps an epoch
+    assert 100 <= metrics["global_step"] < 200
+
+    ckpt = runs / "interrupted" / "checkpoints" / "last.ckpt" if resume_with == "file" else "last"
+    resumed = start(runs / "resumed", f"ckpt_path={ckpt}")
+    assert resumed.wait(timeout=120) == 0, (runs / "resumed.log").read_text()[-2000:]
+    # The CLI runs the same `train` as a test does in process: its uninterrupted result is the reference.
+    assert_bit_identical(final_state(runs / "resumed"), uninterrupted(*LONG))
+
+
+# ------------------------------------------------------------------------------------------ DDP ranks
+
+
+def descendants(pid: int) -> list[int]:
+    found = []
+    for task in Path(f"/proc/{pid}/task").glob("*"):
+        for child in (task / "children").read_text().split():
+            found += [int(child), *descendants(int(child))]
+    return found
+
+
+def running(pid: int) -> bool:
+    try:
+        return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()  # a zombie has ended
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux's /proc")
+@pytest.mark.parametrize("victim", ["rank 1", "rank 0"])
+def test_a_killed_ddp_rank_ends_the_whole_job(tmp_path, victim):
+    run_dir = tmp_path / "run"
+    process = start(run_dir, "trainer.devices=2", "data.num_samples=20000", "trainer.max_epochs=50")
+    ranks = []
+    try:
+        wait_for_steps(run_dir, process, steps=5)  # both ranks are training
+        ranks = [process.pid, *descendants(process.pid)]
+        assert len(ranks) == 2
+        os.kill(ranks[0] if victim == "rank 0" else ranks[1], signal.SIGKILL)
+        killed = time.monotonic()
+        code = process.wait(timeout=30)
+        while any(map(running, ranks)) and time.monotonic() - killed < 30:
+            time.sleep(0.1)
+        left = [pid for pid in ranks if running(pid)]
+    finally:
+        for pid in [process.pid, *ranks]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code != 0
+    assert left == [], f"processes left behind 30 s after {victim} died"
+
+
+# ------------------------------------------------------------------------------------------ determinism
+
+
+def test_same_seed_same_weights_bit_for_bit(tmp_path):
+    weights = {}
+    for name, seed in [("a", 3), ("b", 3), ("c", 4)]:
+        train(compose_config(f"seed={seed}", "logger=none"), tmp_path / name)
+        weights[name] = final_state(tmp_path / name)["weights"]
+    assert all(torch.equal(weights["a"][k], weights["b"][k]) for k in weights["a"])
+    assert not torch.equal(weights["a"]["net.weight"], weights["c"]["net.weight"])  # the seed matters
+
+
+# ---------------------------------------------------------------------------------------- atomic writes
+
+
+def test_a_crash_while_writing_leaves_the_previous_files_whole(tmp_path, monkeypatch):
+    metrics, checkpoint = tmp_path / "metrics.json", tmp_path / "last.ckpt"
+    write_atomic(metrics, '{"status": "completed"}\n')
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, checkpoint)
+
+    def crash(*args):
+        raise OSError("disk full")
+
+    def half_then_crash(self, checkpoint, path, storage_options=None):
+        Path(path).write_bytes(b"half a checkpoint")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(os, "fsync", crash)
+    monkeypatch.setattr(TorchCheckpointIO, "save_checkpoint", half_then_crash)
+    with pytest.raises(OSError):
+        write_atomic(metrics, '{"status": "fail')
+    with pytest.raises(OSError):
+        AtomicCheckpointIO().save_checkpoint({"step": 2}, checkpoint)
+    assert json.loads(metrics.read_text()) == {"status": "completed"}
+    assert torch.load(checkpoint, weights_only=True) == {"step": 1}
+    assert oct(metrics.stat().st_mode & 0o777) == oct(0o666 & ~UMASK)  # not mkstemp's private 0600
