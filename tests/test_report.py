@@ -1,6 +1,8 @@
 """scripts/report.py on a real (small) sweep: report.md, its tables and valid PNG plots."""
 
+import importlib.util
 import json
+import re
 import subprocess
 import sys
 
@@ -8,7 +10,8 @@ import matplotlib.image
 import pytest
 from conftest import ROOT, cli
 
-from experiments.reports import fmt
+from experiments.reports import fmt, markdown_table
+from experiments.sweeps import find_jobs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -69,3 +72,27 @@ def test_report_of_a_dir_without_runs_is_a_one_line_error(tmp_path):
     done = report(tmp_path)
     assert done.returncode != 0
     assert done.stderr.startswith("error: no run under") and "Traceback" not in done.stderr
+
+
+def load_study():
+    spec = importlib.util.spec_from_file_location("study", ROOT / "scripts" / "study.py")
+    study = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(study)
+    return study
+
+
+def test_study_conclusions_come_from_the_numbers(sweep, tmp_path):
+    study = load_study()
+    jobs = find_jobs(sweep)
+    # 2 x 32 and 1 x 64: one effective batch of 64, accumulated or not
+    pair = [j for j in jobs if j.metrics["effective_batch_size"] == 64]
+    sections, lines, verified = study.accumulation_claim(pair, pair, tmp_path)
+    assert sections[0].plot.is_file() and "**GPU: unverified**" in verified
+    relative = float(re.search(r"final weights differ by (\S+) \(relative\)", lines[0]).group(1))
+    assert relative < 1e-5  # the same maths: only float summation order differs
+    table = markdown_table(sections[0].columns, sections[0].rows)
+    assert all(fmt(j.metrics["samples_per_sec"]) in table for j in pair)
+
+    _, lines, _ = study.batch_claim(jobs, tmp_path)
+    best = max(j.metrics["samples_per_sec"] for j in jobs if j.metrics["accumulate_grad_batches"] == 1)
+    assert f"the most, {best:.3g} samples/s" in " ".join(lines)
