@@ -71,6 +71,18 @@ def test_a_failing_job_does_not_stop_the_others(tmp_path):
     assert completed["error"] == "" and float(completed["val_mse"]) > 0
 
 
+def test_a_diverging_job_fails_alone(tmp_path):
+    # A huge learning rate makes the loss non-finite within a few steps: that job fails, the next one runs.
+    sweep_dir = tmp_path / "sweep"
+    done = cli("optimizer.lr=1e6,0.05", f"hydra.sweep.dir={sweep_dir}", "--multirun")
+    assert done.returncode == 1
+    diverged, completed = read_results(sweep_dir)
+    assert (diverged["optimizer.lr"], diverged["status"]) == ("1000000.0", "failed")
+    assert "diverged" in diverged["error"] and "lr" in diverged["error"]
+    assert json.loads((sweep_dir / "0" / "metrics.json").read_text())["status"] == "failed"
+    assert (completed["optimizer.lr"], completed["status"]) == ("0.05", "completed")
+
+
 def test_submitit_local_sweep_completes(tmp_path):
     sweep_dir = tmp_path / "sweep"
     done = cli("optimizer.lr=0.01,0.1", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep_dir}", "--multirun")
