@@ -258,6 +258,7 @@ def scaling_section(jobs: list[Job], out: Path) -> Section:
         points = [(1, 100.0)] + sorted((r["devices"], r["efficiency_pct"]) for r in rows if r["series"] == label)
         ax.plot(*zip(*points, strict=True), marker="o", label=label)
     ax.axhline(100.0, color="grey", linestyle="--", label="ideal (N x one device)")
+    ax.set_xticks(sorted({1, *(r["devices"] for r in rows)}))  # whole devices only
     ax.set(title="Scaling efficiency", xlabel="devices (count)", ylabel="efficiency (% of N x one-device throughput)")
     ax.legend(fontsize="x-small")
     section.columns = list(rows[0])
