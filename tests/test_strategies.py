@@ -127,7 +127,7 @@ def runs(tmp_path_factory) -> dict:
         dirs[f"{launcher}_cwd"], dirs[f"{launcher}_sweep"] = cwd, sweep
     # Meanwhile, in this process: one device, with and without accumulation.
     for name, overrides in {
-        "single_256": ["data.batch_size=256"],
+        "single_256": ["strategy=single", "data.batch_size=256"],
         "single_64x4": ["data.batch_size=64", "trainer.accumulate_grad_batches=4"],
         "single_128": ["data.batch_size=128"],  # different maths: shows that the tolerance can tell
     }.items():

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import get_class
-from lightning.pytorch.strategies import ParallelStrategy
+from lightning.pytorch.strategies import ParallelStrategy, SingleDeviceStrategy
 from lightning.pytorch.strategies.launchers import subprocess_script
 from omegaconf import DictConfig
 from torch.nn import DataParallel
@@ -134,6 +134,27 @@ class DataParallelStrategy(ParallelStrategy):
         super().teardown()
 
 
+class SingleDevice(SingleDeviceStrategy):
+    """Exactly one device: the first of the accelerator the Trainer picks (CPU, CUDA or MPS).
+
+    Lightning's registered `strategy="single_device"` is built with its default `device="cpu"`, which fails
+    on a GPU; `strategy="auto"` finds the right device but turns into DDP when `devices` > 1.
+    """
+
+    def __init__(self):
+        super().__init__(device="cpu")  # replaced as soon as the Trainer sets the accelerator
+
+    @property
+    def accelerator(self):
+        return self._accelerator
+
+    @accelerator.setter
+    def accelerator(self, accelerator) -> None:
+        self._accelerator = accelerator
+        if accelerator is not None:
+            self._root_device = accelerator.get_parallel_devices(accelerator.parse_devices(1))[0]
+
+
 def _strategy_class(strategy) -> type | None:
     target = strategy.get("_target_") if isinstance(strategy, DictConfig) else None
     return get_class(target) if target else None
@@ -160,7 +181,7 @@ def world_size(trainer: DictConfig) -> int | None:
     """The number of ranks the trainer config will start: devices x nodes, or 1 for single and dp."""
     strategy = trainer.strategy
     cls = _strategy_class(strategy)
-    if strategy in ("single_device", "dp") or (cls and issubclass(cls, DataParallelStrategy)):
+    if strategy in ("single_device", "dp") or (cls and issubclass(cls, (SingleDevice, DataParallelStrategy))):
         return 1
     devices = _device_count(trainer)
     return None if devices is None else devices * trainer.num_nodes
@@ -183,10 +204,12 @@ def check_strategy(cfg: DictConfig) -> None:
                 f"this machine has {torch.cuda.device_count()} CUDA GPU(s); allowed: 1 to "
                 f"{torch.cuda.device_count()} devices on one node, or strategy=ddp"
             )
-    if trainer.strategy == "single_device" and (devices != 1 or trainer.num_nodes != 1):
+    single = trainer.strategy == "single_device" or (cls and issubclass(cls, SingleDevice))
+    if single and (trainer.devices not in (1, "1") or trainer.num_nodes != 1):
         raise ConfigError(
             f"strategy=single: trainer.devices={trainer.devices}, trainer.num_nodes={trainer.num_nodes}; "
-            "allowed: 1 device on 1 node, or strategy=ddp for more"
+            "allowed: trainer.devices=1 on 1 node (the first device), or strategy=auto with trainer.devices=[i] "
+            "for another GPU, or strategy=ddp for several"
         )
     ranks = world_size(trainer)
     batch = cfg.data.batch_size
