@@ -100,7 +100,6 @@ def test_a_required_setting_without_a_value_is_named(tmp_path):
     ("args", "code", "named"),
     [
         (["data.batch_size=0"], 2, "data.batch_size=0"),
-        (["data=file", "data.path=no_such_file.csv"], 2, "data.path=no_such_file.csv"),
         (["logger=nope"], 1, "logger"),  # an unknown group option: Hydra's own message
     ],
 )
@@ -132,6 +131,14 @@ def test_cli_divergence_exits_1_with_the_message(tmp_path):
     result = cli("optimizer.lr=10000", "trainer.max_epochs=10", f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
     assert result.returncode == 1
     assert "error: training diverged" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_in_a_sweep_only_the_diverged_job_fails(tmp_path):
+    command = [sys.executable, "train.py", "-m", *TINY, "optimizer.lr=0.05,10000", f"hydra.sweep.dir={tmp_path}"]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and "diverged" in result.stderr
+    status = [json.loads((tmp_path / job / "metrics.json").read_text())["status"] for job in ("0", "1")]
+    assert status == ["completed", "failed"]
 
 
 def test_out_of_memory_suggests_a_smaller_batch(tmp_path, monkeypatch):

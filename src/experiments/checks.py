@@ -23,6 +23,11 @@ def _real(v) -> bool:
 
 
 def _devices(v) -> bool:
+    if isinstance(v, str) and v != "auto":  # Lightning also reads "2", "-1" and GPU ids such as "0,1"
+        parts = [part.strip() for part in v.split(",") if part.strip()]
+        if not parts or not all(part.lstrip("-").isdigit() for part in parts):
+            return False
+        v = [int(part) for part in parts] if "," in v else int(parts[0])
     if isinstance(v, ListConfig | list):
         return len(v) > 0 and all(_integer(i) and i >= 0 for i in v)
     return v == "auto" or (_integer(v) and (v >= 1 or v == -1))
