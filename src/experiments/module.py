@@ -58,8 +58,7 @@ class Regressor(L.LightningModule):
         # A tensor, not `.item()`, and no progress-bar entry: Lightning reads it only at log steps.
         self.log("train/loss", loss)
         # Before the backward pass, so a diverged step never reaches the weights or a checkpoint.
-        lr = self.trainer.optimizers[0].param_groups[0]["lr"]
-        check_loss(loss, self.global_step, self.current_epoch, batch_idx, lr, self.trainer.log_every_n_steps)
+        check_loss(loss, self.trainer, batch_idx)
         return loss
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
