@@ -6,6 +6,7 @@ device count or the strategy changes the speed, never the maths.
 """
 
 import csv
+from functools import cached_property
 from pathlib import Path
 
 import lightning as L
@@ -96,11 +97,44 @@ class BatchLoader:
             yield self.x[local], self.y[local]
 
 
-def least_squares(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The exact minimum-norm least-squares fit `y ~ x @ w + b`, in float64: returns (w, b)."""
-    design = torch.cat([x.double(), torch.ones(len(x), 1, dtype=torch.float64)], dim=1)
-    solution = torch.linalg.lstsq(design, y.double(), driver="gelsd").solution
+def least_squares(x: torch.Tensor, y: torch.Tensor, block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exact minimum-norm least-squares fit `y ~ x @ w + b`, in float64 on the CPU: returns (w, b).
+
+    Computed a block of rows at a time (TSQR): the R factor of [x 1 y] is updated block by block, so the
+    float64 working set is a few blocks of about 16 MB (about 100 MB at d=1000), where a float64 copy of
+    the whole design matrix would double a run's peak memory. R[:, :d+1] has the singular values of [x 1],
+    so the SVD-based solve on R, with the cut-off that LAPACK would use on the full matrix, gives the same
+    minimum-norm answer.
+    """
+    n, d = x.shape
+    block_rows = block_rows or max(2 * (d + 2), 2**21 // (d + 2))  # 16 MB of float64, or twice R's rows
+    r = torch.zeros(0, d + 1 + y.shape[1], dtype=torch.float64)
+    for xb, yb in zip(x.split(block_rows), y.split(block_rows), strict=True):
+        ones = torch.ones(len(xb), 1, dtype=torch.float64)
+        block = torch.cat([xb.to("cpu", torch.float64), ones, yb.to("cpu", torch.float64)], dim=1)
+        r = torch.linalg.qr(torch.cat([r, block]), mode="r").R
+    cutoff = torch.finfo(torch.float64).eps * max(n, d + 1)
+    solution = torch.linalg.lstsq(r[:, : d + 1], r[:, d + 1 :], rcond=cutoff, driver="gelsd").solution
     return solution[:-1], solution[-1]
+
+
+# data.on_device=auto keeps the data on a GPU when it takes at most this share of the GPU's memory; the rest
+# is left for the model, its gradients and optimizer state, and the batches sliced from the data.
+DEVICE_MEMORY_SHARE = 0.5
+
+
+def keep_on_device(setting: bool | str, device: torch.device, nbytes: int) -> bool:
+    """What `data.on_device` (auto, true, false) decides for `nbytes` of data on `device`.
+
+    False on the CPU, whatever the setting: the data is there already.
+    """
+    if device.type == "cpu":
+        return False
+    if setting != "auto":
+        return setting
+    if device.type != "cuda":
+        return False
+    return nbytes <= DEVICE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
 
 
 class RegressionData(L.LightningDataModule):
@@ -109,8 +143,11 @@ class RegressionData(L.LightningDataModule):
     Subclasses implement `load()`, returning all features and targets as float32 tensors.
     """
 
-    def __init__(self, batch_size: int, val_fraction: float, seed: int, standardize: bool):
+    def __init__(self, batch_size: int, val_fraction: float, seed: int, standardize: bool, on_device: bool | str):
         super().__init__()
+        if on_device not in ("auto", True, False):
+            raise ConfigError(f"data.on_device={on_device}: allowed: auto, true, false")
+        self.on_device = on_device
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.seed = seed
@@ -145,9 +182,17 @@ class RegressionData(L.LightningDataModule):
                 f"data.batch_size={self.batch_size} is larger than the training split "
                 f"({len(self.x_train)} samples); allowed: 1 to {len(self.x_train)}"
             )
-        self.optimum = least_squares(self.x_train, self.y_train)
+
+    # Computed when first read (for metrics.json, after training), not in `setup`: the solve takes seconds
+    # at d=1000 and would delay the first step.
+    @cached_property
+    def optimum(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return least_squares(self.x_train, self.y_train)
+
+    @cached_property
+    def optimal_val_mse(self) -> float:
         w, b = self.optimum
-        self.optimal_val_mse = torch.mean((self.x_val.double() @ w + b - self.y_val.double()) ** 2).item()
+        return torch.mean((self.x_val.cpu().double() @ w + b - self.y_val.cpu().double()) ** 2).item()
 
     @property
     def num_features(self) -> int:
@@ -165,10 +210,24 @@ class RegressionData(L.LightningDataModule):
             drop_last=shuffle,
         )
 
+    def _place_on_device(self) -> None:
+        """Move the splits to the accelerator once, if `on_device` says so: batches are then sliced there."""
+        device = self.trainer.strategy.root_device if self.trainer else torch.device("cpu")
+        tensors = {id(t): t for t in (self.x_train, self.y_train, self.x_val, self.y_val)}  # val may be train
+        if self.x_train.device == device or not keep_on_device(
+            self.on_device, device, sum(t.nbytes for t in tensors.values())
+        ):
+            return
+        moved = {key: t.to(device) for key, t in tensors.items()}
+        for name in ("x_train", "y_train", "x_val", "y_val"):
+            setattr(self, name, moved[id(getattr(self, name))])
+
     def train_dataloader(self) -> BatchLoader:
+        self._place_on_device()
         return self._loader(self.x_train, self.y_train, shuffle=True)
 
     def val_dataloader(self) -> BatchLoader:
+        self._place_on_device()
         return self._loader(self.x_val, self.y_val, shuffle=False)
 
 
@@ -184,8 +243,9 @@ class SyntheticRegression(RegressionData):
         val_fraction: float = 0.2,
         batch_size: int = 256,
         seed: int = 0,
+        on_device: bool | str = "auto",
     ):
-        super().__init__(batch_size, val_fraction, seed, standardize=False)
+        super().__init__(batch_size, val_fraction, seed, standardize=False, on_device=on_device)
         self.num_samples = num_samples
         self.features = num_features
         self.num_targets = num_targets
@@ -217,8 +277,9 @@ class FileRegression(RegressionData):
         batch_size: int = 256,
         standardize: bool = True,
         seed: int = 0,
+        on_device: bool | str = "auto",
     ):
-        super().__init__(batch_size, val_fraction, seed, standardize)
+        super().__init__(batch_size, val_fraction, seed, standardize, on_device)
         self.path = Path(path)
         self.target = target
 

@@ -1,6 +1,5 @@
 """The LightningModule: it composes a plain model and owns the loss, the optimizer and the metrics."""
 
-import time
 from collections.abc import Callable
 
 import lightning as L
@@ -9,6 +8,7 @@ import torch.nn.functional as F
 from torchmetrics import MeanAbsoluteError, MeanSquaredError, MetricCollection, R2Score
 
 from experiments.failures import check_loss
+from experiments.perf import TransferClock
 
 
 class Regressor(L.LightningModule):
@@ -33,7 +33,16 @@ class Regressor(L.LightningModule):
         self.val_metrics = MetricCollection(
             {"mse": MeanSquaredError(), "mae": MeanAbsoluteError(), "r2": R2Score()}, prefix="val/"
         )
-        self.transfer_seconds = 0.0  # host-to-device copies of batches, read by PerfMonitor
+        self.transfer_clock = TransferClock()  # host-to-device copies of batches, read by PerfMonitor
+
+    def __setattr__(self, name: str, value) -> None:
+        # Lightning sets `_current_fx_name` before and after every hook call, about 45 times a step, and
+        # torch's Module.__setattr__ checks parameters, buffers and submodules each time (about 1 us): a
+        # string needs none of that. Lightning's own `_ResultMetric` skips the checks the same way.
+        if name == "_current_fx_name":
+            object.__setattr__(self, name, value)
+        else:
+            super().__setattr__(name, value)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
@@ -45,18 +54,19 @@ class Regressor(L.LightningModule):
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
         if batch[0].device == device:  # device-resident data, or the CPU: nothing to copy
             return batch
-        start = time.perf_counter()
-        # A copy from pageable host memory returns once the data is on the device, so the host clock
-        # measures it without a sync.
-        batch = super().transfer_batch_to_device(batch, device, dataloader_idx)
-        self.transfer_seconds += time.perf_counter() - start
-        return batch
+        with self.transfer_clock.timing(device):
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch
         loss = F.mse_loss(self(x), y)
-        # A tensor, not `.item()`, and no progress-bar entry: Lightning reads it only at log steps.
-        self.log("train/loss", loss)
+        self.last_loss = loss.detach()  # metrics.json's train_loss: read once, after the fit
+        # `self.log` costs more than a step of a small model (its result collection re-walks its state on
+        # every call), so it is called only on the steps that the logger writes, which Lightning's logger
+        # connector decides (`should_update_logs`, the test behind `log_every_n_steps`). A tensor, not
+        # `.item()`, and no progress-bar entry: nothing here waits for the device.
+        if self.trainer._logger_connector.should_update_logs:
+            self.log("train/loss", loss)
         # Before the backward pass, so a diverged step never reaches the weights or a checkpoint.
         check_loss(loss, self.trainer, batch_idx)
         return loss

@@ -52,9 +52,10 @@ def final_figures(net: torch.nn.Module, data: RegressionData) -> dict[str, float
     device = next(net.parameters()).device
     with torch.no_grad():
         pred = net(data.x_val.to(device)).float().cpu()
+    y_val = data.y_val.cpu()  # on the GPU when data.on_device kept it there
     figures = {
-        "val_mse": mean_squared_error(pred, data.y_val).item(),
-        "val_r2": r2_score(pred, data.y_val).item(),
+        "val_mse": mean_squared_error(pred, y_val).item(),
+        "val_r2": r2_score(pred, y_val).item(),
         "optimal_val_mse": data.optimal_val_mse,
     }
     if isinstance(net, torch.nn.Linear):

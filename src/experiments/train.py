@@ -15,7 +15,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -60,6 +60,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     interruption = Interruption(str(run_dir / "checkpoints" / "last.ckpt"))
     logger = instantiate(cfg.logger, save_dir=str(run_dir)) if cfg.logger else False
     callbacks = [perf, checkpoint, interruption]
+    if cfg.trainer.enable_progress_bar:
+        # Lightning's default bar redraws on every step, which costs as much as a step of a small model:
+        # redraw when the logger writes.
+        callbacks.append(TQDMProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
     trainer = instantiate(
         cfg.trainer, callbacks=callbacks, logger=logger, plugins=[AtomicCheckpointIO()], default_root_dir=run_dir
     )
@@ -75,7 +79,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     except torch.OutOfMemoryError as err:
         raise out_of_memory(err, cfg.data.batch_size, cfg.trainer.accumulate_grad_batches) from None
     finally:
-        train_loss = trainer.callback_metrics.get("train/loss")
+        train_loss = getattr(module, "last_loss", None)  # the last step's, logged or not
         # A failed run's weights may be unusable (diverged), and after running out of memory, measuring
         # them could run out again: its fit is left blank.
         unmeasured = {"val_mse": None, "val_r2": None, "optimal_val_mse": data.optimal_val_mse}
@@ -84,6 +88,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             **(final_figures(module.net, data) if status != "failed" else unmeasured),
             "train_loss": None if train_loss is None else train_loss.item(),
             **perf.summary,
+            "data_device": str(data.x_train.device),
             "wall_time_s": time.perf_counter() - started,
         }
         if trainer.is_global_zero:

@@ -1,0 +1,168 @@
+import subprocess
+import sys
+import time
+
+import lightning as L
+import numpy as np
+import pytest
+import torch
+from conftest import ROOT
+from lightning.pytorch.callbacks import Callback
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from experiments.checks import ConfigError
+from experiments.data import SyntheticRegression, keep_on_device, least_squares
+from experiments.module import Regressor
+from experiments.perf import process_start_time
+
+PERF = ["samples_per_sec", "step_time_ms", "transfer_ms", "peak_memory_mb"]
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """The TINY problem: 2 epochs of 8 steps, logged every step (PerfMonitor warms up for 5)."""
+    from conftest import compose_config
+
+    from experiments.train import train
+
+    run_dir = tmp_path_factory.mktemp("run")
+    return train(compose_config(), run_dir), run_dir
+
+
+def test_metrics_json_perf_figures_are_positive_and_consistent(tiny_run):
+    metrics, _ = tiny_run
+    assert all(metrics[k] > 0 for k in ["samples_per_sec", "step_time_ms", "peak_memory_mb", "startup_s"])
+    assert metrics["transfer_ms"] == 0  # CPU: the batches are where the model is
+    assert metrics["samples_per_sec"] == pytest.approx(metrics["global_batch_size"] / (metrics["step_time_ms"] / 1e3))
+    # Start-up ends at the first step, which came before now.
+    assert metrics["startup_s"] < time.time() - process_start_time()
+    assert metrics["data_device"] == "cpu"
+
+
+def test_process_start_time_is_before_now():
+    started = process_start_time()
+    assert started is not None and 0 < time.time() - started < 24 * 3600
+
+
+def test_tensorboard_has_one_perf_point_per_log_interval(tiny_run):
+    metrics, run_dir = tiny_run
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    for name in PERF:
+        points = events.Scalars(f"perf/{name}")
+        # A point every step (log_every_n_steps=1) once the 5 warm-up steps are done.
+        assert [p.step for p in points] == list(range(6, metrics["global_step"] + 1))
+        assert all(p.value >= 0 for p in points)
+    assert all(p.value > 0 for p in events.Scalars("perf/step_time_ms"))
+
+
+def test_train_loss_is_logged_only_at_log_steps(run_in_process):
+    metrics, run_dir = run_in_process("trainer.log_every_n_steps=4")
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert [p.step for p in events.Scalars("train/loss")] == [3, 7, 11, 15]  # 16 steps, every 4th
+    assert [p.step for p in events.Scalars("perf/step_time_ms")] == [8, 12, 16]  # after 5 warm-up steps
+    assert metrics["train_loss"] > 0  # the last step's loss, logged or not
+
+
+def test_bf16_mixed_trains_on_cpu(run_in_process):
+    metrics, _ = run_in_process("trainer.precision=bf16-mixed", "logger=none", "trainer.max_epochs=4")
+    assert metrics["status"] == "completed" and metrics["precision"] == "bf16-mixed"
+    assert metrics["val_r2"] > 0.5  # it learned: half the variance explained after 32 steps
+
+
+def test_a_lightning_profiler_can_replace_the_default(run_in_process):
+    metrics, _ = run_in_process("trainer.profiler=simple", "logger=none", "trainer.max_epochs=1")
+    assert metrics["status"] == "completed"
+
+
+def test_on_device_decision():
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for setting in ("auto", True, False):
+        assert not keep_on_device(setting, cpu, nbytes=1)  # the CPU holds the data already
+    assert keep_on_device(True, cuda, nbytes=1) and not keep_on_device(False, cuda, nbytes=1)
+
+
+def test_on_device_rejects_other_values():
+    with pytest.raises(ConfigError, match=r"data.on_device=yes: allowed: auto, true, false"):
+        SyntheticRegression(on_device="yes")
+
+
+@needs_cuda
+def test_on_device_auto_keeps_the_data_on_the_gpu(run_in_process):
+    metrics, _ = run_in_process("trainer.accelerator=gpu", "logger=none")
+    assert metrics["data_device"].startswith("cuda")
+    assert metrics["transfer_ms"] == 0
+    assert keep_on_device("auto", torch.device("cuda"), nbytes=2**20)
+
+
+@needs_cuda
+def test_host_data_on_the_gpu_is_copied_and_timed(run_in_process):
+    metrics, _ = run_in_process("trainer.accelerator=gpu", "data.on_device=false", "logger=none")
+    assert metrics["data_device"] == "cpu"
+    assert metrics["transfer_ms"] > 0
+
+
+@needs_cuda
+@pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
+def test_mixed_precision_trains_on_the_gpu(run_in_process, precision):
+    metrics, _ = run_in_process("trainer.accelerator=gpu", f"trainer.precision={precision}", "logger=none")
+    assert metrics["status"] == "completed" and metrics["val_r2"] > 0.5
+
+
+class StoragePerEpoch(Callback):
+    """Where the training loader's tensors live, at the start of every epoch."""
+
+    def __init__(self):
+        self.pointers, self.first_batches = [], []
+
+    def on_train_epoch_start(self, trainer, pl_module):
+        loader = trainer.train_dataloader
+        self.pointers.append((loader.x.data_ptr(), loader.y.data_ptr()))
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if batch_idx == 0:
+            self.first_batches.append(batch[0].clone())
+
+
+def test_the_dataset_is_held_once_and_never_copied_per_epoch():
+    data = SyntheticRegression(num_samples=640, num_features=8, batch_size=64, seed=0)
+    data.setup()
+    setup_storage = (data.x_train.data_ptr(), data.y_train.data_ptr())
+    sgd = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
+    module = Regressor(torch.nn.Linear(8, 1), sgd, data.feature_mean, data.feature_std)
+    record = StoragePerEpoch()
+    trainer = L.Trainer(
+        max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[record],
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    # Every epoch slices the tensors made at set-up: shuffling permutes indices, not the data.
+    assert record.pointers == [setup_storage] * 3
+    # ... and the epochs are shuffled differently all the same.
+    assert not torch.equal(record.first_batches[0], record.first_batches[1])
+
+
+def test_blockwise_least_squares_matches_the_full_solve_even_when_rank_deficient():
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(500, 10, generator=generator)
+    x[:, 9] = x[:, 3]  # a duplicated column: the minimum-norm solution splits its weight evenly
+    y = torch.randn(500, 2, generator=generator)
+    w, b = least_squares(x, y, block_rows=37)  # 14 blocks, the last one partial
+    design = np.hstack([x.double().numpy(), np.ones((500, 1))])
+    expected, *_ = np.linalg.lstsq(design, y.double().numpy(), rcond=None)
+    np.testing.assert_allclose(w.numpy(), expected[:-1], rtol=1e-8, atol=1e-10)
+    np.testing.assert_allclose(b.numpy(), expected[-1], rtol=1e-8, atol=1e-10)
+
+
+def test_benchmark_quick_prints_its_table():
+    command = [sys.executable, "scripts/benchmark.py", "--quick"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["device", "data", "precision"])
+    rows = [line.split() for line in lines[header + 1 : header + 3]]
+    assert [(row[2], row[3]) for row in rows] == [("32-true", "16"), ("32-true", "64")]
+    ratio = lines[header].split().index("ratio")
+    assert all(float(row[ratio]) > 0 for row in rows)
+    assert any(line.startswith("start-up:") for line in lines)
+    assert any(line.startswith("memory:") for line in lines)
