@@ -125,7 +125,7 @@ class PerfMonitor(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         reset_peak_memory(pl_module.device)
         self.steps = 0
-        self.paused = 0.0  # seconds spent in validation since the fit began
+        self.paused = self.paused_transfer = 0.0  # seconds in validation, and in its copies, since the fit began
         self.first_step_at = None
         self.fit_start = self._mark(pl_module)
         self.steady_start = self.interval_start = None
@@ -147,11 +147,12 @@ class PerfMonitor(Callback):
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.steps is not None and not trainer.sanity_checking:
-            self.validation_start = self._clock(pl_module)
+            self.validation_start = (self._clock(pl_module), self._transfer_seconds(pl_module))
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.validation_start is not None:
-            self.paused += self._clock(pl_module) - self.validation_start
+            self.paused += self._clock(pl_module) - self.validation_start[0]
+            self.paused_transfer += self._transfer_seconds(pl_module) - self.validation_start[1]
             self.validation_start = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -165,11 +166,14 @@ class PerfMonitor(Callback):
             torch.cuda.synchronize(pl_module.device)
         return time.perf_counter()
 
-    def _mark(self, pl_module: L.LightningModule) -> tuple[float, int, float]:
-        """(training time, micro-steps, transfer seconds) now: training time leaves out validation."""
-        training_time = self._clock(pl_module) - self.paused
+    def _transfer_seconds(self, pl_module: L.LightningModule) -> float:
         clock = getattr(pl_module, "transfer_clock", None)
-        return training_time, self.steps, clock.total_seconds() if clock else 0.0
+        return clock.total_seconds() if clock else 0.0
+
+    def _mark(self, pl_module: L.LightningModule) -> tuple[float, int, float]:
+        """(training time, micro-steps, transfer seconds) now, validation left out of both times."""
+        training_time = self._clock(pl_module) - self.paused
+        return training_time, self.steps, self._transfer_seconds(pl_module) - self.paused_transfer
 
     def _figures(self, start: tuple, end: tuple, pl_module: L.LightningModule) -> dict[str, float]:
         steps = max(end[1] - start[1], 1)
