@@ -10,8 +10,8 @@ import matplotlib.image
 import pytest
 from conftest import ROOT, cli
 
-from experiments.reports import fmt, markdown_table
-from experiments.sweeps import find_jobs
+from experiments.reports import fmt, markdown_table, median_of_repeats
+from experiments.sweeps import Job, find_jobs
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -96,3 +96,18 @@ def test_study_conclusions_come_from_the_numbers(sweep, tmp_path):
     _, lines, _ = study.batch_claim(jobs, tmp_path)
     best = max(j.metrics["samples_per_sec"] for j in jobs if j.metrics["accumulate_grad_batches"] == 1)
     assert f"the most, {best:.3g} samples/s" in " ".join(lines)
+
+
+def test_repeats_differing_only_in_seed_become_their_median(tmp_path):
+    def job(num, seed, batch, speed):
+        settings = {"seed": str(seed), "data.seed": str(seed), "data.batch_size": str(batch)}
+        metrics = {"status": "completed", "samples_per_sec": speed, "step_time_ms": 1e3 * batch / speed}
+        return Job(tmp_path / str(num), num, [], "completed", metrics=metrics, settings=settings)
+
+    jobs = [job(0, 2, 64, 100.0), job(1, 0, 64, 900.0), job(2, 1, 64, 400.0), job(3, 0, 128, 700.0)]
+    merged = median_of_repeats(jobs)
+    assert [(j.num, j.metrics["samples_per_sec"], j.metrics["repeats"]) for j in merged] == [
+        (1, 400.0, 3),
+        (3, 700.0, 1),
+    ]
+    assert merged[0].metrics["step_time_ms"] == pytest.approx(1e3 * 64 / 400.0)

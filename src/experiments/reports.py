@@ -7,7 +7,8 @@ sweep over two models and four batch sizes draws two throughput lines, never one
 
 import math
 import os
-from dataclasses import dataclass, field
+import statistics
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import matplotlib
@@ -62,6 +63,26 @@ def device_label(m: dict) -> str:
 
 def completed(jobs: list[Job]) -> list[Job]:
     return [j for j in jobs if j.status == "completed" and j.metrics.get("samples_per_sec")]
+
+
+SPEED_FIGURES = ("samples_per_sec", "step_time_ms", "transfer_ms")
+REPEAT_KEYS = ("seed", "data.seed")
+
+
+def median_of_repeats(jobs: list[Job]) -> list[Job]:
+    """One job per configuration: jobs that differ only in their seed are repeats of one measurement, and its
+    speed figures become their medians (a machine shared with other work slows some runs, never speeds one
+    up). The job with the lowest seed stands for the group (its checkpoint, its loss curve)."""
+    groups: dict[tuple, list[Job]] = {}
+    for job in completed(jobs):
+        key = tuple(sorted((k, v) for k, v in job.settings.items() if k not in REPEAT_KEYS))
+        groups.setdefault(key, []).append(job)
+    merged = []
+    for group in groups.values():
+        group.sort(key=lambda j: int(j.settings.get("seed", 0)))
+        medians = {k: statistics.median(j.metrics[k] for j in group) for k in SPEED_FIGURES if k in group[0].metrics}
+        merged.append(replace(group[0], metrics=group[0].metrics | medians | {"repeats": len(group)}))
+    return sorted(merged, key=lambda j: j.num)
 
 
 def fmt(value) -> str:
