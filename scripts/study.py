@@ -92,7 +92,7 @@ SWEEPS = {
 }
 
 
-def run_sweep(sweep: Sweep, study_dir: Path) -> tuple[list[Job], str]:
+def run_sweep(sweep: Sweep, study_dir: Path, threads: int) -> tuple[list[Job], str]:
     """Runs one multirun; returns its jobs and the command as a user would type it."""
     sweep_dir = study_dir / sweep.name
     overrides = sweep.overrides + (sweep.gpu_overrides if GPUS else [])
@@ -100,8 +100,9 @@ def run_sweep(sweep: Sweep, study_dir: Path) -> tuple[list[Job], str]:
     sweep_dir.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     with open(sweep_dir / "sweep.log", "w") as log:
-        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-    typed = "python train.py -m " + " ".join(f"'{o}'" if "(" in o else o for o in overrides)
+        env = os.environ | {"OMP_NUM_THREADS": str(threads)}
+        done = subprocess.run(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)
+    typed = f"OMP_NUM_THREADS={threads} python train.py -m " + " ".join(f"'{o}'" if "(" in o else o for o in overrides)
     print(f"{sweep.name}: exit {done.returncode} in {time.perf_counter() - started:.0f} s ({sweep_dir})", flush=True)
     return find_jobs(sweep_dir), typed
 
@@ -300,6 +301,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--only", choices=list(SWEEPS), action="append", help="run only these claims")
     parser.add_argument("--out", type=Path, default=DOCS / "study.md", help="the markdown file to write")
+    parser.add_argument("--threads", type=int, default=1, help="intra-op CPU threads per process (default 1)")
     args = parser.parse_args()
     claims = args.only or list(SWEEPS)
     stamp = datetime.datetime.now().strftime("%Y-%m-%d_%H-%M-%S")
@@ -308,7 +310,7 @@ def main() -> None:
 
     parts = []
     for claim in claims:
-        results = [run_sweep(sweep, study_dir) for sweep in SWEEPS[claim]]
+        results = [run_sweep(sweep, study_dir, args.threads) for sweep in SWEEPS[claim]]
         out = args.out.parent / "study" / claim
         # Timed sweeps repeat each configuration with seeds 0, 1, 2 (the slowest-varying setting, so that the
         # repeats are minutes apart): their medians stand for it.
@@ -333,7 +335,11 @@ def main() -> None:
         "Speeds are from one machine shared with other work: each is the median of three repeats (seeds 0, 1, "
         "2, run minutes apart); compare the rows of one table (same run), not absolute figures between runs. "
         "Each job's full record is in `results.csv` of its sweep dir, "
-        f"`outputs/study/{stamp}/<claim>/`, and `python scripts/report.py <that dir>` draws all its plots.\n"
+        f"`outputs/study/{stamp}/<claim>/`, and `python scripts/report.py <that dir>` draws all its plots.\n\n"
+        f"Every process ran with {args.threads} intra-op CPU thread{'s' if args.threads > 1 else ''} "
+        f"(OMP_NUM_THREADS={args.threads}, `--threads`): on a machine whose cores other work also uses, a step "
+        "split over two threads waits for the busier core, which makes small batches erratic; with one thread "
+        "per process, DDP x2 is two cores against one.\n"
     )
     write_atomic(args.out, "\n".join([header, *parts]))
     print(args.out)
