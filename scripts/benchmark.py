@@ -2,6 +2,7 @@
 
     python scripts/benchmark.py                  # CPU, d=1000, B = 64, 1024, 8192 (about 3 minutes on 2 cores)
     python scripts/benchmark.py --quick          # a tiny smoke run of every measurement (tests use it)
+    python scripts/benchmark.py --threads 1      # steadier on a busy machine: no thread waits at a barrier
     python scripts/benchmark.py --device cuda    # the same on a GPU, with 16-mixed rows
     python scripts/benchmark.py --gpu-sweep      # CPU vs GPU, host vs device-resident data, B = 64 ... 65536
 
@@ -34,7 +35,7 @@ import torch
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from experiments.data import SyntheticRegression
+from experiments.data import BatchLoader, EpochShuffle, SyntheticRegression
 from experiments.train import CONFIG_DIR, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -99,6 +100,47 @@ def mean_ms(marks: list[tuple[float, int]]) -> float:
     return 1e3 * (t1 - t0) / (s1 - s0)
 
 
+class BareModule(lightning.LightningModule):
+    """The least a LightningModule can be: Lightning's own loop, with nothing of this project's around it."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.net = torch.nn.Linear(features, 1)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x), y)
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05)
+
+
+class StepClock(lightning.Callback):
+    """The raw loop's marks, taken in Lightning's loop."""
+
+    def __init__(self, device: torch.device):
+        self.device, self.steps, self.marks = device, 0, []
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        self.steps += 1
+        if self.steps == WARMUP or (self.steps > WARMUP and self.steps % WINDOW == 0):
+            self.marks.append((clock(self.device), self.steps))
+
+
+def bare_lightning(x, y, batch_size: int, steps: int, device: torch.device, precision: str) -> list[tuple]:
+    """Lightning as shipped, on the same batches, with no logger, progress bar, checkpoint or validation:
+    what Lightning's loop costs by itself, so that the project's own share of the overhead shows."""
+    step_clock = StepClock(device)
+    trainer = lightning.Trainer(
+        max_steps=steps, accelerator=device.type, devices=1, precision=precision, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, callbacks=[step_clock],
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer.fit(BareModule(x.shape[1]), train_dataloaders=BatchLoader(x, y, batch_size, EpochShuffle(len(x), 0)))
+    return step_clock.marks
+
+
 def lightning_run(overrides: list[str]) -> tuple[list[float], float, dict]:
     """`experiments.train.train` on the composed config: (window step times, mean step time, metrics)."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
@@ -127,6 +169,7 @@ def measure(args, data, device: torch.device, placement: str, batch_size: int, p
     x, y = (data.x_train.to(device), data.y_train.to(device)) if on_device else (data.x_train, data.y_train)
     steps = choose_steps(x, y, batch_size, device, precision, args.seconds, args.min_steps)
     raw_marks = [raw_loop(x, y, batch_size, steps, device, precision)]
+    bare = statistics.median(windows_ms(bare_lightning(x, y, batch_size, steps, device, precision)))
     overrides = [
         f"data.num_samples={args.samples}",
         f"data.num_features={args.features}",
@@ -150,7 +193,9 @@ def measure(args, data, device: torch.device, placement: str, batch_size: int, p
         "B": batch_size,
         "steps": steps,
         "raw_ms": raw,
+        "bare_ms": bare,
         "lightning_ms": light,
+        "bare_ratio": bare / raw,
         "ratio": light / raw,
         "ratio_mean": lightning_mean / statistics.mean(mean_ms(m) for m in raw_marks),
         "raw_GBps": step_bytes / raw / 1e6,
@@ -215,7 +260,8 @@ def startup_and_memory(args) -> list[str]:
 def table(rows: list[dict]) -> list[str]:
     columns = [
         ("device", "{}"), ("data", "{}"), ("precision", "{}"), ("B", "{}"), ("steps", "{}"),
-        ("raw_ms", "{:.3f}"), ("lightning_ms", "{:.3f}"), ("ratio", "{:.2f}"), ("ratio_mean", "{:.2f}"),
+        ("raw_ms", "{:.3f}"), ("bare_ms", "{:.3f}"), ("lightning_ms", "{:.3f}"), ("bare_ratio", "{:.2f}"),
+        ("ratio", "{:.2f}"), ("ratio_mean", "{:.2f}"),
         ("raw_GBps", "{:.2f}"), ("lightning_GBps", "{:.2f}"), ("transfer_ms", "{:.3f}"),
     ]  # fmt: skip
     cells = [[name for name, _ in columns]] + [[fmt.format(row[name]) for name, fmt in columns] for row in rows]
@@ -243,6 +289,7 @@ def parse_args():
     parser.add_argument("--precisions", help="default: 32-true,bf16-mixed,16-mixed (16-mixed: CUDA only)")
     parser.add_argument("--seconds", type=float, default=2.0, help="raw-loop seconds per measurement")
     parser.add_argument("--min-steps", type=int, help=f"at least this many steps (default {WARMUP + 10 * WINDOW})")
+    parser.add_argument("--threads", type=int, help="torch CPU threads of both paths (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
     parser.add_argument(
         "--gpu-sweep", action="store_true", help="CPU vs GPU, host vs device data, B = 64 ... 65536 (needs CUDA)"
@@ -268,6 +315,8 @@ def main() -> None:
         sys.exit("error: --device cuda (or --gpu-sweep) needs a CUDA GPU; none is visible to PyTorch")
     for name in ("lightning.pytorch", "lightning.fabric"):  # their start-up notices would bury the table
         logging.getLogger(name).setLevel(logging.ERROR)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
     gpu = torch.device("cuda") if args.device == "cuda" else None
     precisions = (args.precisions or "32-true,bf16-mixed,16-mixed").split(",")
@@ -285,7 +334,8 @@ def main() -> None:
         f"{args.samples * (args.features + 1) * 4 / 2**20:.0f} MB ({len(data.x_train)} train, {len(data.x_val)} val)"
     )
     print(
-        "step time: median of windows of 50 steps after 5 warm-up steps (ratio_mean: over all of them); "
+        "step time: median of windows of 50 steps after 5 warm-up steps; ratio = lightning/raw (ratio_mean: "
+        "over all windows); bare = Lightning as shipped with no logger, progress bar, checkpoint or validation; "
         "GB/s = 8*B*d bytes / step time: the float32 batch, read by the forward product and again by the "
         "weight gradient"
     )
