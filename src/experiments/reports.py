@@ -15,7 +15,7 @@ import matplotlib
 
 matplotlib.use("Agg")  # files only: no display on servers and in tests
 import matplotlib.pyplot as plt  # noqa: E402
-from matplotlib.ticker import ScalarFormatter  # noqa: E402
+from matplotlib.ticker import NullFormatter  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from experiments.records import write_atomic  # noqa: E402
@@ -100,9 +100,12 @@ def markdown_table(columns: list[str], rows: list[dict]) -> str:
 
 
 def log2_axis(ax) -> None:
-    """Batch sizes and accumulation steps double: space them evenly, but label them 64, 128, not 2^6, 2^7."""
+    """Batch sizes and accumulation steps double: space them evenly, and label the plotted values (64, 128),
+    not powers (2^6, 2^7). Call it after plotting."""
     ax.set_xscale("log", base=2)
-    ax.xaxis.set_major_formatter(ScalarFormatter())
+    ticks = sorted({x for line in ax.lines if line.get_marker() == "o" for x in line.get_xdata()})
+    ax.set_xticks(ticks, labels=[f"{t:g}" for t in ticks])
+    ax.xaxis.set_minor_formatter(NullFormatter())
 
 
 def save(fig, path: Path) -> Path:
@@ -329,14 +332,15 @@ ACCUMULATION_COLUMNS = [
 
 def build_sections(root: Path, out: Path) -> list[Section]:
     jobs = find_jobs(root)
+    configurations = median_of_repeats(jobs)  # every job in the table and the loss curves; one point per config
     return [
         jobs_section(jobs),
         loss_section(jobs, out),
-        throughput_section(jobs, out),
-        speedup_section(jobs, out),
-        scaling_section(jobs, out),
-        memory_section(jobs, out),
-        accumulation_section(jobs, out),
+        throughput_section(configurations, out),
+        speedup_section(configurations, out),
+        scaling_section(configurations, out),
+        memory_section(configurations, out),
+        accumulation_section(configurations, out),
     ]
 
 
