@@ -150,12 +150,18 @@ def test_a_different_batch_gives_different_weights(runs):
 
 
 @pytest.mark.parametrize(
-    "name, world_size, num_nodes",
-    [("ddp_256", 2, 1), ("ddp_64x4", 2, 1), ("ddp_spawn_256", 2, 1), ("torchrun_2x1_256", 2, 2)],
+    "name, strategy, world_size, num_nodes",
+    [
+        ("ddp_256", "ddp", 2, 1),
+        ("ddp_64x4", "ddp", 2, 1),
+        ("ddp_spawn_256", "ddp_spawn", 2, 1),
+        ("torchrun_2x1_256", "ddp", 2, 2),
+    ],
 )
-def test_ddp_runs_record_their_ranks(runs, name, world_size, num_nodes):
+def test_ddp_runs_record_their_ranks(runs, name, strategy, world_size, num_nodes):
     record = metrics(runs[name])
     assert (record["status"], record["world_size"], record["num_nodes"]) == ("completed", world_size, num_nodes)
+    assert record["strategy"] == strategy
 
 
 @pytest.mark.parametrize("name", ["ddp_256", "ddp_64x4", "torchrun_2x1_256"])

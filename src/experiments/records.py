@@ -8,6 +8,7 @@ from pathlib import Path
 import lightning as L
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.pytorch.strategies import DDPStrategy, Strategy
 from torchmetrics.functional import mean_squared_error, r2_score
 
 from experiments.data import RegressionData
@@ -66,13 +67,20 @@ def final_figures(net: torch.nn.Module, data: RegressionData) -> dict[str, float
     return figures
 
 
+def strategy_name(strategy: Strategy) -> str:
+    """Lightning's registry name of the strategy: single_device, dp, ddp, ddp_spawn, ..."""
+    if isinstance(strategy, DDPStrategy):  # one class behind ddp, ddp_spawn and ddp_fork
+        method = getattr(strategy, "_start_method", "popen")
+        return "ddp" if method == "popen" else f"ddp_{method}"
+    return getattr(strategy, "strategy_name", type(strategy).__name__)
+
+
 def run_record(trainer: L.Trainer, status: str, global_batch_size: int) -> dict:
     """Where and how the run ran."""
-    strategy = trainer.strategy
     return {
         "status": status,
         "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
-        "strategy": getattr(strategy, "strategy_name", type(strategy).__name__),
+        "strategy": strategy_name(trainer.strategy),
         "devices": trainer.num_devices,
         "num_nodes": trainer.num_nodes,
         "world_size": trainer.world_size,
