@@ -42,6 +42,13 @@ def run_in_process(tmp_path):
     return run
 
 
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    """One TINY run (2 epochs of 8 steps, logged every step) shared by a module's tests: (metrics, run_dir)."""
+    run_dir = tmp_path_factory.mktemp("run")
+    return train(compose_config(), run_dir), run_dir
+
+
 def cli(*args: str, tiny: bool = True, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     """`python train.py ARGS` as a user types it, from the repository root."""
     command = [sys.executable, "train.py", *(shrink(args) if tiny else args)]

@@ -19,17 +19,6 @@ PERF = ["samples_per_sec", "step_time_ms", "transfer_ms", "peak_memory_mb"]
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@pytest.fixture(scope="module")
-def tiny_run(tmp_path_factory):
-    """The TINY problem: 2 epochs of 8 steps, logged every step (PerfMonitor warms up for 5)."""
-    from conftest import compose_config
-
-    from experiments.train import train
-
-    run_dir = tmp_path_factory.mktemp("run")
-    return train(compose_config(), run_dir), run_dir
-
-
 def test_metrics_json_perf_figures_are_positive_and_consistent(tiny_run):
     metrics, _ = tiny_run
     assert all(metrics[k] > 0 for k in ["samples_per_sec", "step_time_ms", "peak_memory_mb", "startup_s"])

@@ -21,18 +21,8 @@ TAGS = {
 PINNED_LOSSES = [4.030202, 3.839142, 3.281759, 2.498386, 2.749173, 1.504164, 1.070565, 0.864265]
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    from conftest import compose_config
-
-    from experiments.train import train
-
-    run_dir = tmp_path_factory.mktemp("run")
-    return train(compose_config(), run_dir), run_dir
-
-
-def test_metrics_json_has_every_key(default_run):
-    metrics, run_dir = default_run
+def test_metrics_json_has_every_key(tiny_run):
+    metrics, run_dir = tiny_run
     on_disk = json.loads((run_dir / "metrics.json").read_text())
     assert on_disk == pytest.approx(metrics)
     assert METRICS_KEYS <= on_disk.keys()
@@ -43,8 +33,8 @@ def test_metrics_json_has_every_key(default_run):
     assert not list(run_dir.glob("**/*.tmp"))
 
 
-def test_tensorboard_has_the_tags_and_the_hparams(default_run):
-    _, run_dir = default_run
+def test_tensorboard_has_the_tags_and_the_hparams(tiny_run):
+    _, run_dir = tiny_run
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     assert TAGS <= set(events.Tags()["scalars"])
     assert len(events.Scalars("train/loss")) == 16  # one point per step at log_every_n_steps=1
@@ -72,7 +62,7 @@ def test_accumulation_multiplies_the_effective_batch(run_in_process):
     assert metrics["global_step"] == 2 * (512 // 64) // 4
 
 
-def test_default_run_reaches_the_optimum(run_in_process):
+def test_tiny_run_reaches_the_optimum(run_in_process):
     """The acceptance of `python train.py`: within 10% of the exact least-squares validation MSE."""
     metrics, _ = run_in_process("trainer.enable_progress_bar=false", "logger=none", tiny=False)
     assert metrics["status"] == "completed"
