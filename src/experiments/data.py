@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from experiments.checks import ConfigError
+from experiments.perf import TransferClock
 
 
 class EpochShuffle:
@@ -153,6 +154,7 @@ class RegressionData(L.LightningDataModule):
         self.seed = seed
         self.standardize = standardize
         self.x_train = self.y_train = self.x_val = self.y_val = None
+        self.transfer_clock = TransferClock()  # host-to-device copies of batches, read by PerfMonitor
 
     def load(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -221,6 +223,14 @@ class RegressionData(L.LightningDataModule):
         moved = {key: t.to(device) for key, t in tensors.items()}
         for name in ("x_train", "y_train", "x_val", "y_val"):
             setattr(self, name, moved[id(getattr(self, name))])
+
+    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
+        # Here rather than in the module: the data decides where it lives (`on_device`), and Lightning warns
+        # when a module overrides this hook while a DataModule is in use.
+        if batch[0].device == device:  # device-resident data, or the CPU: nothing to copy
+            return batch
+        with self.transfer_clock.timing(device):
+            return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def train_dataloader(self) -> BatchLoader:
         self._place_on_device()

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from torchmetrics import MeanAbsoluteError, MeanSquaredError, MetricCollection, R2Score
 
 from experiments.failures import check_loss
-from experiments.perf import TransferClock
 
 
 class Regressor(L.LightningModule):
@@ -33,7 +32,6 @@ class Regressor(L.LightningModule):
         self.val_metrics = MetricCollection(
             {"mse": MeanSquaredError(), "mae": MeanAbsoluteError(), "r2": R2Score()}, prefix="val/"
         )
-        self.transfer_clock = TransferClock()  # host-to-device copies of batches, read by PerfMonitor
 
     def __setattr__(self, name: str, value) -> None:
         # Lightning sets `_current_fx_name` before and after every hook call, about 45 times a step, and
@@ -50,12 +48,6 @@ class Regressor(L.LightningModule):
     @torch.no_grad()
     def predict_raw(self, x: torch.Tensor) -> torch.Tensor:
         return self.net((x - self.feature_mean) / self.feature_std)
-
-    def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
-        if batch[0].device == device:  # device-resident data, or the CPU: nothing to copy
-            return batch
-        with self.transfer_clock.timing(device):
-            return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -167,7 +167,7 @@ class PerfMonitor(Callback):
         return time.perf_counter()
 
     def _transfer_seconds(self, pl_module: L.LightningModule) -> float:
-        clock = getattr(pl_module, "transfer_clock", None)
+        clock = getattr(pl_module.trainer.datamodule, "transfer_clock", None)
         return clock.total_seconds() if clock else 0.0
 
     def _mark(self, pl_module: L.LightningModule) -> tuple[float, int, float]:
