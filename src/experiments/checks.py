@@ -5,6 +5,7 @@ import typing
 from pathlib import Path
 
 from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
+from lightning.fabric.utilities.device_parser import _normalize_parse_gpu_string_input
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import DictConfig, ListConfig, OmegaConf
@@ -22,13 +23,24 @@ def _real(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
 
 
+def parse_devices(value) -> str | int | list:
+    """`trainer.devices` as Lightning reads it: "auto", an int (-1: every device) or a list of device indices.
+
+    Strings such as "2", "-1" and "0,1" go through Lightning's own parser; anything else raises ValueError.
+    """
+    if isinstance(value, ListConfig):
+        return list(value)
+    if isinstance(value, str) and value != "auto":
+        return _normalize_parse_gpu_string_input(value)
+    return value
+
+
 def _devices(v) -> bool:
-    if isinstance(v, str) and v != "auto":  # Lightning also reads "2", "-1" and GPU ids such as "0,1"
-        parts = [part.strip() for part in v.split(",") if part.strip()]
-        if not parts or not all(part.lstrip("-").isdigit() for part in parts):
-            return False
-        v = [int(part) for part in parts] if "," in v else int(parts[0])
-    if isinstance(v, ListConfig | list):
+    try:
+        v = parse_devices(v)
+    except ValueError:
+        return False
+    if isinstance(v, list):
         return len(v) > 0 and all(_integer(i) and i >= 0 for i in v)
     return v == "auto" or (_integer(v) and (v >= 1 or v == -1))
 

@@ -16,7 +16,7 @@ from lightning.pytorch.strategies.launchers import subprocess_script
 from omegaconf import DictConfig
 from torch.nn import DataParallel
 
-from experiments.checks import ConfigError
+from experiments.checks import ConfigError, parse_devices
 
 # The repository's `train.py`: what ranks > 0 run, whatever process started the job (a joblib worker's own
 # `sys.argv` and `__main__` belong to joblib, not to this program).
@@ -162,19 +162,16 @@ def _strategy_class(strategy) -> type | None:
 
 def _device_count(trainer: DictConfig) -> int | None:
     """Devices per node as Lightning will read `trainer.devices`; None when it cannot be told here."""
-    devices = trainer.devices
-    if isinstance(devices, str) and devices.strip().isdigit():
-        devices = int(devices)
-    if isinstance(devices, int) and devices > 0:
-        return devices
-    if isinstance(devices, str) and "," in devices:  # GPU ids, "0,1"
-        return len([d for d in devices.split(",") if d.strip()])
-    if devices in ("auto", -1, "-1"):
+    try:
+        devices = parse_devices(trainer.devices)
+    except ValueError:
+        return None
+    if isinstance(devices, list):  # device ids
+        return len(devices)
+    if devices in ("auto", -1):
         gpu = trainer.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
         return torch.cuda.device_count() if gpu else 1
-    if hasattr(devices, "__len__"):  # a list of GPU ids
-        return len(devices)
-    return None
+    return devices if isinstance(devices, int) and devices > 0 else None
 
 
 def world_size(trainer: DictConfig) -> int | None:
