@@ -7,6 +7,7 @@ import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from hydra.core.hydra_config import HydraConfig
@@ -219,14 +220,29 @@ def check_strategy(cfg: DictConfig) -> None:
         )
 
 
-def launched_as_rank_zero() -> bool:
-    """Whether this process is rank 0 as its launcher announced it; True for a process nobody launched."""
+class Rank(NamedTuple):
+    zero: bool  # global rank 0: the process that writes the run's files
+    started_by_launcher: bool  # a launcher started it as a rank and waits for it: it should end with it
+
+
+def this_rank() -> Rank:
+    """Which rank this process is, as the launcher that started it announced it in the environment; the one
+    reading of rank for the whole project, before any process group exists (Lightning's own, `trainer.
+    global_rank`, is known only once the Trainer is built).
+
+    - torchrun sets RANK (the global rank) and LOCAL_RANK for every rank, 0 included; it is their parent.
+    - Lightning's DDP launcher re-runs train.py for ranks > 0 with LOCAL_RANK and NODE_RANK set; rank 0 is
+      the user's own process. Inside a one-task SLURM job its children inherit SLURM_PROCID=0.
+    - srun sets SLURM_PROCID (the global rank) for each task; slurmstepd, not a rank, is their parent.
+    - By hand on several nodes (Lightning's launcher on each), NODE_RANK > 0 says the node is not the first.
+    A process that none of them started (the user's `python train.py`) is rank 0.
+    """
     env = os.environ
-    if "RANK" in env:  # torchrun: the global rank itself
-        return int(env["RANK"]) == 0
-    # SLURM's srun sets SLURM_PROCID; Lightning's own launcher sets LOCAL_RANK and NODE_RANK for the ranks it
-    # starts, also inside a SLURM job whose single task is rank 0 (its children inherit SLURM_PROCID=0).
-    return all(int(env.get(key, 0)) == 0 for key in ("SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
+    if "RANK" in env:
+        zero = int(env["RANK"]) == 0
+    else:
+        zero = all(int(env.get(key, 0)) == 0 for key in ("SLURM_PROCID", "LOCAL_RANK", "NODE_RANK"))
+    return Rank(zero=zero, started_by_launcher="LOCAL_RANK" in env)
 
 
 def silent_rank_overrides(args: list[str]) -> list[str]:
@@ -236,7 +252,7 @@ def silent_rank_overrides(args: list[str]) -> list[str]:
     dir is the run's: ranks > 0 write nothing there (Lightning loggers and checkpoints write on rank 0, and
     `ModelCheckpoint` broadcasts rank 0's dir), so they stay in the working directory unless told a dir.
     """
-    if launched_as_rank_zero():
+    if this_rank().zero:
         return []
     overrides = ["hydra.output_subdir=null", "hydra/job_logging=stdout"]
     if not any(a.startswith("hydra.run.dir=") for a in args):
