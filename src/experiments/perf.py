@@ -54,6 +54,19 @@ def process_start_time() -> float | None:
     return time.time() - age
 
 
+_runs_started = 0
+
+
+def run_start_time() -> float:
+    """When the run that calls this started, on the `time.time()` clock: the process's start for its first
+    run (the user waited for Python, the imports and Hydra), now for each later run in the same process (the
+    jobs of a sweep under Hydra's basic launcher or one joblib worker), which did not wait for the earlier."""
+    global _runs_started
+    _runs_started += 1
+    started = process_start_time() if _runs_started == 1 else None
+    return started if started is not None else time.time()
+
+
 class NoProfiler(PassThroughProfiler):
     """Lightning's default pass-through profiler without its cost on every hook call.
 
@@ -111,14 +124,15 @@ class PerfMonitor(Callback):
     validation and at the end.
 
     TensorBoard's `perf/*` points describe the interval since the previous point; `summary` (metrics.json)
-    the whole steady state. `startup_s` runs from the start of the process to the start of the first step.
+    the whole steady state. `startup_s` runs from `started_at` (`run_start_time()`: the start of the process
+    for its first run, of the run for later ones) to the start of the first step.
     """
 
-    def __init__(self, global_batch_size: int, warmup_steps: int = 5):
+    def __init__(self, global_batch_size: int, warmup_steps: int = 5, started_at: float | None = None):
         self.global_batch_size = global_batch_size
         self.warmup_steps = warmup_steps
         self.summary: dict[str, float] = {}
-        self.started_at = process_start_time()
+        self.started_at = started_at if started_at is not None else run_start_time()
         self.steps = None  # micro-steps of the current fit; None before the first fit starts
         self.validation_start = None
 
