@@ -45,6 +45,11 @@ def _devices(v) -> bool:
     return v == "auto" or (_integer(v) and (v >= 1 or v == -1))
 
 
+def _batches(v) -> bool:
+    # Lightning's limit_*_batches and val_check_interval: a float is a fraction, an int a count.
+    return v is None or (_integer(v) and v >= 0) or (isinstance(v, float) and 0 <= v <= 1)
+
+
 # Lightning's accepted `precision` values (ints such as 32 and strings such as "bf16-mixed").
 PRECISIONS = {value for literal in typing.get_args(_PRECISION_INPUT) for value in typing.get_args(literal)}
 
@@ -62,7 +67,11 @@ RULES = [
     ("trainer.devices", _devices, "an integer >= 1, -1 (every device), auto, or a list of device indices"),
     ("trainer.num_nodes", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("trainer.max_epochs", lambda v: v is None or (_integer(v) and v >= -1), "an integer >= 0, or -1 for no limit"),
-    ("trainer.max_steps", lambda v: _integer(v) and v >= -1, "an integer >= 1, or -1 for no limit"),
+    ("trainer.max_steps", lambda v: _integer(v) and (v >= 1 or v == -1), "an integer >= 1, or -1 for no limit"),
+    ("trainer.limit_train_batches", _batches, "null, a fraction from 0.0 to 1.0, or a number of batches >= 0"),
+    ("trainer.limit_val_batches", _batches, "null, a fraction from 0.0 to 1.0, or a number of batches >= 0"),
+    ("trainer.val_check_interval", _batches, "null, a fraction of the epoch from 0.0 to 1.0, or a number of batches"),
+    ("data.on_device", lambda v: v in ("auto", True, False), "auto, true, false"),
     ("trainer.log_every_n_steps", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("trainer.precision", lambda v: v in PRECISIONS, ", ".join(sorted(map(str, PRECISIONS)))),
     ("optimizer.lr", lambda v: _real(v) and v > 0, "a finite number > 0"),
@@ -83,7 +92,9 @@ def check_config(cfg: DictConfig) -> None:
         if value is not _ABSENT and not test(value):
             raise ConfigError(f"{key}={value} is not allowed; allowed: {allowed}")
     _check_accelerator(cfg.trainer.accelerator)
+    _check_every_device(cfg.trainer)
     _check_strategy(cfg.trainer.get("strategy", "auto"))
+    _check_synthetic_shapes(cfg)
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path not in (None, "last") and not Path(ckpt_path).is_file():
         raise ConfigError(f"ckpt_path={ckpt_path}: no such file; allowed: a checkpoint file, or last")
@@ -101,6 +112,38 @@ def _check_accelerator(name) -> None:
         raise ConfigError(
             f"trainer.accelerator={name}: there is no {name} device on this machine; "
             f"allowed here: auto, {', '.join(available)}"
+        )
+
+
+def _check_every_device(trainer: DictConfig) -> None:
+    # Lightning reads devices=-1 as "every GPU"; on the CPU accelerator it refuses it.
+    if parse_devices(trainer.devices) != -1 or trainer.accelerator not in ("auto", "cpu"):
+        return
+    if trainer.accelerator == "cpu" or not any(
+        AcceleratorRegistry[n]["accelerator"].is_available() for n in ("cuda", "mps") if n in AcceleratorRegistry
+    ):
+        raise ConfigError(
+            f"trainer.devices=-1 (every GPU) with trainer.accelerator={trainer.accelerator}: this run is on the CPU; "
+            "allowed here: an integer >= 1 (processes), or auto"
+        )
+
+
+def _check_synthetic_shapes(cfg: DictConfig) -> None:
+    """What the synthetic data's shapes forbid, known from the config alone (data=file: once it is read)."""
+    samples, features = OmegaConf.select(cfg, "data.num_samples"), OmegaConf.select(cfg, "data.num_features")
+    if samples is None or features is None:
+        return
+    train = samples - round(samples * cfg.data.val_fraction)  # as RegressionData.setup splits
+    if cfg.data.batch_size > train:
+        raise ConfigError(
+            f"data.batch_size={cfg.data.batch_size} is larger than the training split ({train} samples); "
+            f"allowed: 1 to {train}"
+        )
+    in_features = OmegaConf.select(cfg, "model.in_features")
+    if in_features is not None and in_features != features:
+        raise ConfigError(
+            f"model.in_features={in_features} does not match the data's {features} features; "
+            "allowed: null (follow the data) or the data's feature count"
         )
 
 

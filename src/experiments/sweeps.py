@@ -124,6 +124,14 @@ def write_results(sweep_dir: Path) -> Path:
     return path
 
 
+def record_interrupted_job(hydra_cfg: DictConfig) -> None:
+    """An interrupted job's row: its exit (`sys.exit`, which stops the sweep) passes Hydra's `on_job_end` by."""
+    job_dir = Path(hydra_cfg.runtime.output_dir)
+    record = {"num": hydra_cfg.job.num, "overrides": list(hydra_cfg.overrides.task), "status": "interrupted"}
+    write_atomic(job_dir / JOB_RECORD, json.dumps(record, indent=2) + "\n")
+    write_results(Path(hydra_cfg.sweep.dir))
+
+
 def one_line(err: BaseException) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split())
 

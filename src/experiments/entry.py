@@ -1,0 +1,199 @@
+"""How every command (`train.py`, `eval.py`, `predict.py`) ends: one path for user errors and signals.
+
+`@entry_point("config")` replaces `@hydra.main` on a task `def main(cfg) -> result`. Whatever refuses the
+input — a check (`ConfigError`), a constructor that Hydra instantiates (Hydra wraps its error in an
+`InstantiationException`), OmegaConf reading a setting, or Hydra composing the config (an unknown option
+`logger=nope`, an unknown key `trainer.nope=1`, a bad override) — the user sees one line
+`error: <setting>=<value> ...; allowed: ...` on stderr and the command exits 2 (README, "Failures").
+In a multirun a job's error is raised on, so that Hydra records that job as failed and runs the others;
+the sweep then exits 1.
+"""
+
+import functools
+import os
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import hydra
+from hydra.core.hydra_config import HydraConfig
+from hydra.errors import (
+    ConfigCompositionException,
+    InstantiationException,
+    MissingConfigException,
+    OverrideParseException,
+)
+from hydra.types import RunMode
+from lightning.fabric.utilities.exceptions import MisconfigurationException
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from experiments.checks import ConfigError
+from experiments.failures import EXIT_BAD_INPUT, EXIT_FAILED, Interrupted, RunFailed, stopping_at_once
+
+# conf/ sits at the repository root, beside train.py (the project is installed editable).
+CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+# Hydra's errors while it composes the config, before any job runs.
+COMPOSITION_ERRORS = (ConfigCompositionException, OverrideParseException)
+
+
+def entry_point(config_name: str, config_dir: str = CONFIG_DIR) -> Callable[[Callable[[DictConfig], Any]], Callable]:
+    def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
+        @functools.wraps(task)
+        def job(cfg: DictConfig) -> Any:
+            return run_job(task, cfg)
+
+        hydra_main = hydra.main(version_base="1.3", config_path=config_dir, config_name=config_name)(job)
+
+        @functools.wraps(task)
+        def command() -> Any:
+            return run_command(hydra_main)
+
+        return command
+
+    return decorate
+
+
+def run_command(hydra_main: Callable[[], Any]) -> Any:
+    """Run a `@hydra.main` function as a command: Hydra's own composition errors become one line and exit 2.
+
+    Hydra composes the config inside its `run_and_report`, which prints the error over several lines (a
+    traceback for some) and exits 1 before the task runs. Its documented switch HYDRA_FULL_ERROR=1 makes
+    it raise instead, so the error reaches this function; a user who set it keeps Hydra's full report.
+    Signals before the run installs its own handling (while Hydra composes) end the command at once with
+    128 + the signal's number: there is nothing to save yet.
+    """
+    if os.environ.get("HYDRA_FULL_ERROR") == "1":
+        return hydra_main()
+    os.environ["HYDRA_FULL_ERROR"] = "1"
+    try:
+        with stopping_at_once():
+            return hydra_main()
+    except Interrupted as stop:
+        print(stop, file=sys.stderr)
+        sys.exit(stop.exit_code)
+    except Exception as err:
+        error = user_error(err)
+        if isinstance(err, COMPOSITION_ERRORS) and error is not None:
+            print(f"error: {error}", file=sys.stderr)
+            sys.exit(EXIT_BAD_INPUT)
+        if not _multirun():
+            raise  # a crash: Python prints the traceback and exits 1
+        # Hydra's sweeper re-raises the first failed job's error once every job has run.
+        print(f"error: a job of the sweep failed: {error or err} (results.csv has every job's status)", file=sys.stderr)
+        sys.exit(EXIT_FAILED)
+    finally:
+        os.environ.pop("HYDRA_FULL_ERROR", None)
+
+
+def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
+    """One run or one job of a sweep: its user errors end it with one line (exit 2); signals with 128 + n."""
+    multirun = HydraConfig.get().mode == RunMode.MULTIRUN
+    try:
+        return task(cfg)
+    except Interrupted as stop:  # a sweep stops too: the user or the scheduler asked for it
+        print(stop, file=sys.stderr)
+        if multirun:
+            # The exit passes Hydra's callbacks by (SweepRecord): the job records itself.
+            from experiments.sweeps import record_interrupted_job
+
+            record_interrupted_job(HydraConfig.get())
+        sys.exit(stop.exit_code)
+    except Exception as err:
+        error = user_error(err, cfg) or (err if isinstance(err, RunFailed) else None)
+        if error is None:
+            raise
+        if multirun:
+            raise error from err  # Hydra records the job as failed and runs the others
+        print(f"error: {error}", file=sys.stderr)
+        sys.exit(EXIT_BAD_INPUT if isinstance(error, ConfigError) else EXIT_FAILED)
+
+
+def user_error(err: BaseException, cfg: DictConfig | None = None) -> ConfigError | None:
+    """The user error behind `err`, as a one-line ConfigError; None when `err` is not one (a bug, a crash).
+
+    `cfg`, the composed config, gives the value of a setting that a constructor refused."""
+    if isinstance(err, ConfigError):
+        return ConfigError(" ".join(str(err).split()))
+    if isinstance(err, InstantiationException):
+        return _constructor_error(err, cfg)
+    if isinstance(err, MissingConfigException):
+        return _missing_option(err)
+    if isinstance(err, OverrideParseException):
+        return ConfigError(
+            f"{err.override} is not an override: {err.message.splitlines()[0]}; allowed: key=value, group=option, "
+            "+key=value to add a key, ~key to delete one (https://hydra.cc/docs/advanced/override_grammar/basic/)"
+        )
+    if isinstance(err, ConfigCompositionException) and isinstance(err.__cause__, OmegaConfBaseException):
+        return _unknown_key(err.__cause__, str(err))
+    if isinstance(err, OmegaConfBaseException):  # e.g. an interpolation to a key that does not exist
+        return ConfigError(
+            f"{err.full_key}: {str(err).splitlines()[0]}; allowed: a value, or ${{key}} of a key that exists"
+        )
+    return None
+
+
+def _missing_option(err: MissingConfigException) -> ConfigError:
+    if not err.options:  # the primary config itself (--config-name)
+        return ConfigError(f"--config-name={err.missing_cfg_file}: no such config; allowed: a file of conf/")
+    group, _, option = (err.missing_cfg_file or "").rpartition("/")
+    return ConfigError(f"{group}={option} is not an option of {group}; allowed: {', '.join(err.options)}")
+
+
+def _unknown_key(cause: OmegaConfBaseException, message: str) -> ConfigError:
+    setting = cause.full_key
+    value = next((o.split("=", 1)[1] for o in _overrides() if o.split("=", 1)[0] == setting), "...")
+    parent = cause.parent_node
+    keys = [k for k in parent if not str(k).startswith("_")] if parent is not None else []
+    where = setting.rpartition(".")[0] or "the config"
+    allowed = f"a key of {where} ({', '.join(map(str, keys))})" if keys else "a key the config has"
+    return ConfigError(
+        f"{setting}={value}: {where} has no key {cause.key}; allowed: {allowed}, or +{setting}={value} to add it"
+    )
+
+
+def _constructor_error(err: InstantiationException, cfg: DictConfig | None) -> ConfigError | None:
+    cause = err.__cause__
+    if isinstance(cause, ConfigError):
+        return user_error(cause)
+    if not isinstance(cause, MisconfigurationException | ValueError | TypeError):
+        return None  # a crash inside the constructor, not a setting it refused
+    # Hydra's message: "Error in call to target 'lightning...Trainer':\n<cause>\nfull_key: trainer"
+    node = err.args[0].rsplit("full_key: ", 1)[-1].strip() if "full_key: " in err.args[0] else ""
+    target = err.args[0].split("'")[1] if "'" in err.args[0] else node
+    reason = " ".join(str(cause).split())
+    setting = _named_setting(cfg, node, reason)
+    if setting is None:
+        return ConfigError(f"{node or target}: {reason}; allowed: what {target} accepts (see its documentation)")
+    key, value = setting
+    if "unexpected keyword argument" in reason:
+        return ConfigError(
+            f"{key}={value}: {target} takes no argument {key.rsplit('.', 1)[-1]}; allowed: its arguments"
+        )
+    return ConfigError(f"{key}={value} is refused by {target}: {reason}; allowed: what {target} accepts for it")
+
+
+def _named_setting(cfg: DictConfig | None, node: str, reason: str) -> tuple[str, Any] | None:
+    """The key of `node` that the constructor's message names (`limit_train_batches`), with its value."""
+    settings = OmegaConf.select(cfg, node) if cfg is not None and node else None
+    if isinstance(settings, DictConfig):
+        # The longest name first: `max_steps` before `steps`.
+        for key in sorted((k for k in settings if not str(k).startswith("_")), key=len, reverse=True):
+            if re.search(rf"\b{re.escape(str(key))}\b", reason):
+                return f"{node}.{key}", settings.get(key)
+    for override in _overrides():  # a key added with +key=value is in the config too, but check the line
+        key, _, value = override.lstrip("+~").partition("=")
+        if key.startswith(f"{node}.") and key.rsplit(".", 1)[-1] in reason:
+            return key, value
+    return None
+
+
+def _overrides() -> list[str]:
+    return [a for a in sys.argv[1:] if not a.startswith("-")]
+
+
+def _multirun() -> bool:
+    return any(a in ("-m", "--multirun") for a in sys.argv[1:]) or "hydra.mode=MULTIRUN" in sys.argv[1:]
