@@ -3,6 +3,8 @@
 import json
 import os
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import lightning as L
@@ -17,20 +19,39 @@ UMASK = os.umask(0o022)  # reading the umask means setting it: put it straight b
 os.umask(UMASK)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, then rename: a crash never leaves half a file."""
+@contextmanager
+def replacing(path: Path) -> Iterator[Path]:
+    """The one way this project writes a file whole or not at all: write to the yielded temporary path beside
+    `path`; when the block ends, the file is flushed to disk and renamed over `path` (and the rename made
+    durable); when it raises, the temporary file is removed and `path` is left as it was.
+
+    Beside the target, not in the system's temp dir: a rename within one filesystem is atomic, a move across
+    two is a copy that a crash can cut in half.
+    """
+    path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    tmp = Path(name)
     try:
         os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes the file private (0600); give it a new file's mode
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
+        os.close(fd)
+        yield tmp
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())
         os.replace(tmp, path)
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         raise
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)  # the rename itself survives a power cut
+    finally:
+        os.close(directory)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    with replacing(path) as tmp:
+        tmp.write_text(text)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -38,14 +59,12 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 
     Lightning writes through an fsspec transaction whose temporary file sits in the system's temp dir; when
     that is another filesystem than the run dir, the final move is a copy, and a crash during it leaves half
-    a checkpoint. Here the checkpoint is written beside its target, then renamed over it.
+    a checkpoint. Here the checkpoint goes through `replacing`, like every file of a run.
     """
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        path = Path(path)
-        tmp = path.with_name(f".{path.name}.tmp")
-        super().save_checkpoint(checkpoint, tmp, storage_options)
-        os.replace(tmp, path)
+        with replacing(Path(path)) as tmp:
+            super().save_checkpoint(checkpoint, tmp, storage_options)
 
 
 def final_figures(net: torch.nn.Module, data: RegressionData) -> dict[str, float]:

@@ -6,7 +6,6 @@ sweep over two models and four batch sizes draws two throughput lines, never one
 """
 
 import math
-import os
 import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -18,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from experiments.records import write_atomic  # noqa: E402
+from experiments.records import replacing, write_atomic  # noqa: E402
 from experiments.sweeps import Job, find_jobs  # noqa: E402
 
 # Settings that a section reads from metrics.json instead (the values that ran, whatever set them).
@@ -111,10 +110,9 @@ def log2_axis(ax) -> None:
 def save(fig, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.tmp")  # then rename: a crash never leaves half a PNG
-    fig.savefig(tmp, format="png", dpi=110)
+    with replacing(path) as tmp:  # a crash never leaves half a PNG
+        fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
-    os.replace(tmp, path)
     return path
 
 

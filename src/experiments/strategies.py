@@ -283,7 +283,14 @@ def ranks_join_this_job() -> Iterator[None]:
 
     The launcher leaves MASTER_ADDR, MASTER_PORT, NODE_RANK, LOCAL_RANK and WORLD_SIZE in `os.environ`, and a
     set LOCAL_RANK tells Lightning that the ranks were started externally; the process group also outlives
-    `trainer.fit`. Lightning has no hook for the command it runs, so its builder is replaced for the job.
+    `trainer.fit`.
+
+    Lightning 2.6 has no public hook for the command its launcher runs: `_SubprocessScriptLauncher.
+    _call_children_scripts` calls the module-level `_hydra_subprocess_cmd` whenever Hydra is initialized, so
+    a launcher subclass would have to copy that method whole (the ranks' environment, PL_GLOBAL_SEED, the
+    Popen), and a DDPStrategy subclass installing it through `_configure_launcher` would not reach
+    `strategy=auto` with `trainer.devices` > 1, for which Lightning builds its own DDPStrategy. Replacing
+    the builder for the duration of one job, and putting Lightning's back after it, reaches every DDP run.
     """
     environment = dict(os.environ)
     original = subprocess_script._hydra_subprocess_cmd
