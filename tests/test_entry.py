@@ -1,0 +1,119 @@
+"""The README's promises at the command line: one `error:` line and exit 2 for bad input of every group,
+signals at every moment of a run, and timings measured against the test's own clock."""
+
+import json
+import os
+import signal
+import time
+
+import pytest
+from conftest import TINY, cli, compose_config
+
+from experiments.data import SyntheticRegression
+from experiments.failures import Interrupted
+from experiments.module import Regressor
+from experiments.train import train
+
+# (override, what the line must name): one or two per group, and Hydra's own composition errors. Each is
+# a CLI start (a few seconds); the in-process checks (test_reliability.py) cover the other settings.
+BAD_INPUT = [
+    ("trainer.limit_train_batches=-1", "trainer.limit_train_batches=-1"),  # Lightning's constructor refused it
+    ("trainer.max_steps=0", "trainer.max_steps=0"),
+    ("strategy=ddp_spawn", "data.batch_size=64"),  # with trainer.devices=3 below: 64 does not split
+    ("data.on_device=yes", "data.on_device=yes"),
+    ("model.in_features=5", "model.in_features=5"),
+    ("optimizer.lr=-1", "optimizer.lr=-1"),
+    ("logger=nope", "logger=nope"),  # an unknown option: Hydra's composition
+    ("trainer.nope=1", "trainer.nope=1"),  # an unknown key: Hydra's composition
+    ("trainer.max_epochs=[1", "trainer.max_epochs=[1"),  # not an override
+]
+
+
+@pytest.mark.parametrize(("override", "named"), BAD_INPUT)
+def test_cli_bad_input_is_one_error_line_and_exit_2(tmp_path, override, named):
+    extra = ["trainer.devices=3"] if override.startswith("strategy=") else []
+    result = cli(override, *extra, f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert len(errors) == 1 and errors[0].startswith(f"error: {named}") and "allowed:" in errors[0], errors
+    assert "Traceback" not in result.stderr
+    assert not (tmp_path / "run" / "metrics.json").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# -------------------------------------------------------------------------------- signals at every moment
+
+
+def signalled(monkeypatch, cls, hook: str, signum: int, at_call: int = 1) -> None:
+    """`os.kill(self, signum)` at the `at_call`-th call of `cls.hook`, which then runs as usual."""
+    original, calls = getattr(cls, hook), []
+
+    def send(self, *args, **kwargs):
+        calls.append(1)
+        if len(calls) == at_call:
+            os.kill(os.getpid(), signum)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, hook, send)
+
+
+@pytest.mark.parametrize(
+    ("cls", "hook"),
+    [
+        pytest.param(SyntheticRegression, "load", id="while the data is made"),
+        pytest.param(Regressor, "setup", id="while the ranks start"),  # inside trainer.fit, before the loops
+    ],
+)
+def test_ctrl_c_before_training_exits_130_with_nothing_saved(tmp_path, monkeypatch, cls, hook):
+    before = signal.getsignal(signal.SIGINT)
+    signalled(monkeypatch, cls, hook, signal.SIGINT)
+    with pytest.raises(Interrupted) as stop:
+        train(compose_config("logger=none"), tmp_path / "run")
+    assert stop.value.exit_code == 130 and stop.value.checkpoint is None
+    assert not (tmp_path / "run" / "metrics.json").exists()
+    assert not (tmp_path / "run" / "checkpoints").exists()
+    assert signal.getsignal(signal.SIGINT) is before  # the run's handlers are gone with it
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGUSR1])
+def test_a_signal_during_the_final_validation_exits_128_plus_n_interrupted(tmp_path, monkeypatch, signum):
+    # TINY: 2 epochs of 8 steps, 2 validation batches each: the 3rd validation batch is the final validation.
+    signalled(monkeypatch, Regressor, "on_validation_batch_start", signum, at_call=3)
+    with pytest.raises(Interrupted) as stop:
+        train(compose_config("logger=none"), tmp_path / "run")
+    assert stop.value.exit_code == 128 + signum
+    metrics = json.loads((tmp_path / "run" / "metrics.json").read_text())
+    assert (metrics["status"], metrics["global_step"], metrics["epochs"]) == (
+        "interrupted",
+        16,
+        2,
+    )  # the whole run: 2 epochs done
+
+
+# ------------------------------------------------------------------------------ timings against a clock
+
+
+def test_startup_and_wall_time_match_the_users_clock(tmp_path):
+    started = time.time()
+    result = cli("logger=none", f"hydra.run.dir={tmp_path}", timeout=120)
+    waited = time.time() - started
+    assert result.returncode == 0, result.stderr[-2000:]
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    # The process starts after `started` and ends before `waited` is read; after metrics.json is written
+    # only the interpreter's exit remains.
+    assert waited - 3.0 < metrics["wall_time_s"] <= waited
+    assert 0 < metrics["startup_s"] < metrics["wall_time_s"]
+    assert metrics["startup_s"] > 1.0  # the imports of torch and Lightning count: the user waited for them
+
+
+def test_each_sweep_job_times_only_itself(tmp_path):
+    started = time.time()
+    result = cli("-m", *TINY, "logger=none", "seed=0,1,2", f"hydra.sweep.dir={tmp_path}", tiny=False, timeout=180)
+    waited = time.time() - started
+    assert result.returncode == 0, result.stderr[-2000:]
+    jobs = [json.loads((tmp_path / str(n) / "metrics.json").read_text()) for n in range(3)]
+    for job in jobs:
+        assert 0 < job["startup_s"] < job["wall_time_s"]
+    # One process runs the three jobs one after another: their own times add up to at most the whole.
+    assert sum(job["wall_time_s"] for job in jobs) <= waited
+    assert jobs[0]["startup_s"] > max(job["startup_s"] for job in jobs[1:])  # only the first waited for imports
