@@ -84,9 +84,6 @@ def check_config(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value} is not allowed; allowed: {allowed}")
     _check_accelerator(cfg.trainer.accelerator)
     _check_strategy(cfg.trainer.get("strategy", "auto"))
-    ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path not in (None, "last") and not Path(ckpt_path).is_file():
-        raise ConfigError(f"ckpt_path={ckpt_path}: no such file; allowed: a checkpoint file, or last")
 
 
 def _check_accelerator(name) -> None:

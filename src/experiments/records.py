@@ -9,7 +9,7 @@ import lightning as L
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, Strategy
-from torchmetrics.functional import mean_squared_error, r2_score
+from torchmetrics.functional import mean_absolute_error, mean_squared_error, r2_score
 
 from experiments.data import RegressionData
 
@@ -17,13 +17,13 @@ UMASK = os.umask(0o022)  # reading the umask means setting it: put it straight b
 os.umask(UMASK)
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, text: str | bytes) -> None:
     """Write to a temporary file beside `path`, then rename: a crash never leaves half a file."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
         os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes the file private (0600); give it a new file's mode
-        with os.fdopen(fd, "w") as f:
+        with os.fdopen(fd, "wb" if isinstance(text, bytes) else "w") as f:
             f.write(text)
             f.flush()
             os.fsync(f.fileno())
@@ -56,6 +56,7 @@ def final_figures(net: torch.nn.Module, data: RegressionData) -> dict[str, float
     y_val = data.y_val.cpu()  # on the GPU when data.on_device kept it there
     figures = {
         "val_mse": mean_squared_error(pred, y_val).item(),
+        "val_mae": mean_absolute_error(pred, y_val).item(),
         "val_r2": r2_score(pred, y_val).item(),
         "optimal_val_mse": data.optimal_val_mse,
     }

@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.checkpoints import RunRecord, check_fits, load_checkpoint
 from experiments.checks import ConfigError, check_config, resolve_checkpoint
 from experiments.failures import (
     EXIT_BAD_INPUT,
@@ -42,6 +43,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     if "LOCAL_RANK" in os.environ:  # started by a launcher, not by the user
         end_with_parent()
     ckpt_path = resolve_checkpoint(cfg.ckpt_path, run_dir)
+    resumed = load_checkpoint(ckpt_path) if ckpt_path else None  # the checks of eval.py and predict.py
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = instantiate(cfg.data)
     data.setup("fit")
@@ -51,6 +53,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             f"model.in_features={in_features} does not match the data's {data.num_features} features; "
             "allowed: null (follow the data) or the data's feature count"
         )
+    if resumed:
+        check_fits(resumed, in_features, cfg.model.out_features)
     net = instantiate(cfg.model, in_features=in_features)
     module = Regressor(net, instantiate(cfg.optimizer), data.feature_mean, data.feature_std)
 
@@ -59,7 +63,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     # A signal saves the exact position over last.ckpt, so that `ckpt_path=last` resumes from it.
     interruption = Interruption(str(run_dir / "checkpoints" / "last.ckpt"))
     logger = instantiate(cfg.logger, save_dir=str(run_dir)) if cfg.logger else False
-    callbacks = [perf, checkpoint, interruption]
+    callbacks = [perf, checkpoint, interruption, RunRecord(cfg, data.feature_names, data.target_name)]
     if cfg.trainer.enable_progress_bar:
         # Lightning's default bar redraws on every step, which costs as much as a step of a small model:
         # redraw when the logger writes.
