@@ -95,9 +95,6 @@ def check_config(cfg: DictConfig) -> None:
     _check_every_device(cfg.trainer)
     _check_strategy(cfg.trainer.get("strategy", "auto"))
     _check_synthetic_shapes(cfg)
-    ckpt_path = cfg.get("ckpt_path")
-    if ckpt_path not in (None, "last") and not Path(ckpt_path).is_file():
-        raise ConfigError(f"ckpt_path={ckpt_path}: no such file; allowed: a checkpoint file, or last")
 
 
 def _check_accelerator(name) -> None:

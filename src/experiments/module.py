@@ -14,13 +14,14 @@ class Regressor(L.LightningModule):
     """MSE regression of any `nn.Module`, trained with the optimizer that `optimizer(params)` builds.
 
     `feature_mean` and `feature_std` are the training split's statistics: the model sees standardized
-    inputs, and they travel in the checkpoint so that `predict_raw` works on raw inputs.
+    inputs, and they travel in the checkpoint so that `predict_raw` works on raw inputs. A module that only
+    scores or predicts (eval.py, predict.py) has no optimizer (None).
     """
 
     def __init__(
         self,
         net: torch.nn.Module,
-        optimizer: Callable[..., torch.optim.Optimizer],
+        optimizer: Callable[..., torch.optim.Optimizer] | None,
         feature_mean: torch.Tensor,
         feature_std: torch.Tensor,
     ):
@@ -48,6 +49,9 @@ class Regressor(L.LightningModule):
     @torch.no_grad()
     def predict_raw(self, x: torch.Tensor) -> torch.Tensor:
         return self.net((x - self.feature_mean) / self.feature_std)
+
+    def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        return self.predict_raw(batch[0])  # predict.py feeds raw inputs (its batches carry no targets)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -11,7 +11,7 @@ import lightning as L
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch.strategies import DDPStrategy, Strategy
-from torchmetrics.functional import mean_squared_error, r2_score
+from torchmetrics.functional import mean_absolute_error, mean_squared_error, r2_score
 
 from experiments.data import RegressionData
 
@@ -49,9 +49,12 @@ def replacing(path: Path) -> Iterator[Path]:
         os.close(directory)
 
 
-def write_atomic(path: Path, text: str) -> None:
+def write_atomic(path: Path, content: str | bytes) -> None:
     with replacing(path) as tmp:
-        tmp.write_text(text)
+        if isinstance(content, bytes):
+            tmp.write_bytes(content)
+        else:
+            tmp.write_text(content)
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -75,6 +78,7 @@ def final_figures(net: torch.nn.Module, data: RegressionData) -> dict[str, float
     y_val = data.y_val.cpu()  # on the GPU when data.on_device kept it there
     figures = {
         "val_mse": mean_squared_error(pred, y_val).item(),
+        "val_mae": mean_absolute_error(pred, y_val).item(),
         "val_r2": r2_score(pred, y_val).item(),
         "optimal_val_mse": data.optimal_val_mse,
     }

@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.checkpoints import RunRecord, check_fits, load_checkpoint
 from experiments.checks import ConfigError, check_config, resolve_checkpoint
 from experiments.entry import CONFIG_DIR, entry_point  # noqa: F401 (CONFIG_DIR: tests compose with it)
 from experiments.failures import Interrupted, Interruption, end_with_parent, out_of_memory
@@ -40,6 +41,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 
 
 def fit(cfg: DictConfig, run_dir: Path, started: float, ckpt_path: str | None, interruption: Interruption) -> dict:
+    resumed = load_checkpoint(ckpt_path) if ckpt_path else None  # the checks of eval.py and predict.py
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     perf = PerfMonitor(global_batch_size=cfg.data.batch_size, started_at=started)
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0)
@@ -62,6 +64,10 @@ def fit(cfg: DictConfig, run_dir: Path, started: float, ckpt_path: str | None, i
             f"model.in_features={in_features} does not match the data's {data.num_features} features; "
             "allowed: null (follow the data) or the data's feature count"
         )
+    if resumed:
+        check_fits(resumed, in_features, cfg.model.out_features)
+    # The checkpoint carries the run's config and column names, for eval.py and predict.py.
+    trainer.callbacks.append(RunRecord(cfg, data.feature_names, data.target_name))
     net = instantiate(cfg.model, in_features=in_features)
     module = Regressor(net, instantiate(cfg.optimizer), data.feature_mean, data.feature_std)
 

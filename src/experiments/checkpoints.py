@@ -1,0 +1,140 @@
+"""What a checkpoint carries besides the weights, and the one reader that checks a checkpoint before any use.
+
+train.py's resume (`ckpt_path=`), eval.py and predict.py all read checkpoints through `load_checkpoint`: a
+file that is missing, empty, truncated, not a checkpoint, or a checkpoint of some other model is refused
+with one line naming the setting, before any work. `check_fits` then refuses a model whose shape does not
+fit the data.
+"""
+
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.utils import instantiate
+from lightning.pytorch.callbacks import Callback
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.checks import ConfigError
+from experiments.module import Regressor
+
+# The checkpoint's entry written by `RunRecord` (a top-level key, beside Lightning's own `state_dict`, ...).
+RECORD_KEY = "run"
+ALLOWED = "allowed: a checkpoint that train.py wrote (e.g. outputs/runs/<timestamp>/checkpoints/last.ckpt)"
+ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
+PICKLE_MAGIC = b"\x80"  # a pickle of protocol 2 or later
+
+
+class RunRecord(Callback):
+    """Adds to every checkpoint what eval.py and predict.py need and the weights do not say: the run's
+    composed config (unresolved, as in `.hydra/config.yaml`, so eval can rebuild the run's data), and the
+    data's feature and target names (None for data without names). Plain values only, so the checkpoint
+    still loads with `torch.load(weights_only=True)`."""
+
+    def __init__(self, cfg: DictConfig, feature_names: list[str] | None, target_name: str | None):
+        self.record = {
+            "config": OmegaConf.to_container(cfg, resolve=False),
+            "feature_names": None if feature_names is None else list(feature_names),
+            "target_name": target_name,
+        }
+
+    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
+        checkpoint[RECORD_KEY] = self.record
+
+
+@dataclass
+class Checkpoint:
+    path: Path
+    module: Regressor  # the weights and the training statistics, loaded, in eval mode
+    config: DictConfig  # the run's composed config
+    feature_names: list[str] | None
+    target_name: str | None
+    setting: str = "ckpt_path"
+
+    @property
+    def in_features(self) -> int:
+        return self.module.feature_mean.shape[0]
+
+    @property
+    def out_features(self) -> int:
+        return self.module.net(torch.zeros(1, self.in_features, device=self.module.device)).shape[-1]
+
+    def error(self, problem: str) -> ConfigError:
+        return ConfigError(f"{self.setting}={self.path}: {problem}")
+
+
+def load_checkpoint(path: str | Path, setting: str = "ckpt_path") -> Checkpoint:
+    """Read and check a checkpoint of `experiments.module.Regressor`; ConfigError names `setting=path`."""
+    path = Path(path)
+
+    def refuse(problem: str) -> ConfigError:
+        return ConfigError(f"{setting}={path}: {problem}; {ALLOWED}")
+
+    if not path.is_file():
+        raise refuse("is a directory, not a checkpoint file" if path.is_dir() else "no such file")
+    if path.stat().st_size == 0:
+        raise refuse("empty file")
+    with path.open("rb") as f:
+        head = f.read(4)
+    try:
+        # weights_only: a checkpoint is a file from anywhere, and a full unpickling runs whatever code it names.
+        # Ours hold only tensors and plain values. The unpickler warns about pickle protocols: not the user's.
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            raw = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as err:  # torch raises RuntimeError, KeyError, UnpicklingError, ... for what it cannot read
+        if head == ZIP_MAGIC:
+            raise refuse(f"truncated or damaged ({type(err).__name__} while reading it)") from None
+        if head[:1] == PICKLE_MAGIC and "Weights only load failed" in str(err):
+            raise refuse("a pickle of objects other than tensors and plain values, not a checkpoint") from None
+        raise refuse("not a checkpoint (not a file that torch.save wrote)") from None
+    if not isinstance(raw, dict) or "state_dict" not in raw or "pytorch-lightning_version" not in raw:
+        found = f"a dict of {', '.join(map(str, list(raw)[:4]))}" if isinstance(raw, dict) else type(raw).__name__
+        raise refuse(f"not a Lightning checkpoint (it holds {found}, no state_dict)")
+    state = raw["state_dict"]
+    if not {"feature_mean", "feature_std"} <= state.keys() or not any(k.startswith("net.") for k in state):
+        names = ", ".join(list(state)[:4]) + (", ..." if len(state) > 4 else "")
+        raise refuse(f"a Lightning checkpoint of another model (its weights: {names or 'none'})")
+
+    record = raw.get(RECORD_KEY) or {}
+    config = record.get("config")
+    if config is None:  # written before checkpoints carried their run's config: read it from the run dir
+        hydra_config = path.parent.parent / ".hydra" / "config.yaml"
+        if path.parent.name != "checkpoints" or not hydra_config.is_file():
+            raise refuse(
+                "holds no run config (an older checkpoint), and there is no .hydra/config.yaml beside its "
+                "checkpoints/ folder to read it from"
+            )
+        config = OmegaConf.load(hydra_config)
+    config = OmegaConf.create(config)
+    # Build the model the run's config describes, and load the weights strictly: keys or shapes of any other
+    # model do not load.
+    in_features = state["feature_mean"].shape[0]
+    try:
+        net = instantiate(config.model, in_features=in_features)
+        module = Regressor(net, None, state["feature_mean"], state["feature_std"])
+        expected = {k: tuple(v.shape) for k, v in module.state_dict().items()}
+    except Exception as err:
+        raise refuse(f"its config's model cannot be built ({type(err).__name__}: {str(err).splitlines()[0]})") from None
+    found = {k: tuple(v.shape) for k, v in state.items()}
+    if found != expected:
+        diff = sorted(set(found.items()) ^ set(expected.items()))
+        raise refuse(f"its weights do not fit the model of its config (first difference: {diff[0][0]})")
+    module.load_state_dict(state)
+    module.eval()
+    return Checkpoint(path, module, config, record.get("feature_names"), record.get("target_name"), setting)
+
+
+def check_fits(checkpoint: Checkpoint, num_features: int, out_features: int | None = None) -> None:
+    """Refuse data with another feature count (or a model config with another output count) than the model's."""
+    if num_features != checkpoint.in_features:
+        raise checkpoint.error(
+            f"the model takes {checkpoint.in_features} features and the data has {num_features}; allowed: "
+            f"data of {checkpoint.in_features} features (the data the model was trained on, or data like it)"
+        )
+    if out_features is not None and out_features != checkpoint.out_features:
+        raise checkpoint.error(
+            f"the model gives {checkpoint.out_features} outputs and {out_features} are wanted here "
+            f"(model.out_features, or the data's target columns); allowed: {checkpoint.out_features}"
+        )
