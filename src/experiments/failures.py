@@ -76,6 +76,10 @@ class Interruption(Callback):
         if trainer.world_size > 1:
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
         if stop:
+            # Lightning writes this step's logged metrics only after this hook: write them now, or the step
+            # would be missing from the curves of the resumed run (it starts at the next step).
+            trainer._logger_connector.on_batch_end()
+            trainer._logger_connector.update_train_step_metrics()
             trainer.save_checkpoint(self.checkpoint)
             raise Interrupted(self.signum or signal.SIGTERM, self.checkpoint)
 

@@ -19,6 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
+from experiments import rundir
 from experiments.checks import ConfigError, check_config, resolve_checkpoint
 from experiments.failures import (
     EXIT_BAD_INPUT,
@@ -32,7 +33,7 @@ from experiments.failures import (
 from experiments.module import Regressor
 from experiments.perf import PerfMonitor
 from experiments.records import AtomicCheckpointIO, final_figures, run_record, write_metrics
-from experiments.strategies import check_strategy, ranks_join_this_job
+from experiments.strategies import check_strategy, launched_as_rank_zero, ranks_join_this_job
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
@@ -41,7 +42,12 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     check_strategy(cfg)
     if "LOCAL_RANK" in os.environ:  # started by a launcher, not by the user
         end_with_parent()
-    ckpt_path = resolve_checkpoint(cfg.ckpt_path, run_dir)
+    writer = launched_as_rank_zero()
+    run = rundir.settle(run_dir, cfg, writer)  # refuses a dir that holds another config's run
+    if run.state is rundir.State.COMPLETED:
+        print(f"nothing to do: {run_dir} holds this config's completed run (its metrics.json)")
+        return run.metrics
+    ckpt_path = run.checkpoint or resolve_checkpoint(cfg.ckpt_path, run_dir)  # an unfinished run resumes itself
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     data = instantiate(cfg.data)
     data.setup("fit")
@@ -55,10 +61,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     module = Regressor(net, instantiate(cfg.optimizer), data.feature_mean, data.feature_std)
 
     perf = PerfMonitor(global_batch_size=cfg.data.batch_size)
-    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0)
+    # Overwrite, not last-v1.ckpt: a run that resumes in its own dir goes on from its own last.ckpt.
+    checkpoint = ModelCheckpoint(
+        dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0, enable_version_counter=False
+    )
     # A signal saves the exact position over last.ckpt, so that `ckpt_path=last` resumes from it.
     interruption = Interruption(str(run_dir / "checkpoints" / "last.ckpt"))
-    logger = instantiate(cfg.logger, save_dir=str(run_dir)) if cfg.logger else False
+    resume_step = rundir.checkpoint_step(run.checkpoint) if run.checkpoint else None
+    resumed = rundir.logger_options(cfg.logger, resume_step)  # curves restart where the checkpoint does
+    logger = instantiate(cfg.logger, save_dir=str(run_dir), **resumed) if cfg.logger else False
     callbacks = [perf, checkpoint, interruption]
     if cfg.trainer.enable_progress_bar:
         # Lightning's default bar redraws on every step, which costs as much as a step of a small model:
@@ -68,6 +79,8 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         cfg.trainer, callbacks=callbacks, logger=logger, plugins=[AtomicCheckpointIO()], default_root_dir=run_dir
     )
 
+    if writer:
+        rundir.claim(run, cfg)
     status = "failed"
     try:
         with ranks_join_this_job():
@@ -103,7 +116,8 @@ def log_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: dict) -> None:
     final = {f"final/{k}": v for k, v in metrics.items() if isinstance(v, float)}
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
-            logger.log_hyperparams(params, final)
+            # At the last step, not 0: a resumed run's TensorBoard file purges the interrupted one's from there on.
+            logger.log_hyperparams(params, final, step=trainer.global_step)
         else:
             logger.log_hyperparams(params)
         logger.finalize(metrics["status"])
