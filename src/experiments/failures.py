@@ -62,7 +62,8 @@ class Interruption(Callback):
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Lightning registers its SIGTERM handler just before the loops start; replace it here and let its
         # signal connector put the original handlers back when fit ends.
-        for signum in (signal.SIGTERM, signal.SIGINT):
+        # SIGUSR1: SLURM's warning before a job's time is up (`--signal=USR1@90`), handled like SIGTERM.
+        for signum in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             self.previous[signum] = signal.signal(signum, self._record)
 
     def _record(self, signum: int, frame) -> None:

@@ -19,7 +19,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import rundir
+from experiments import rundir, slurm
 from experiments.checks import ConfigError, check_config, resolve_checkpoint
 from experiments.failures import (
     EXIT_BAD_INPUT,
@@ -76,7 +76,11 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
         # redraw when the logger writes.
         callbacks.append(TQDMProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
     trainer = instantiate(
-        cfg.trainer, callbacks=callbacks, logger=logger, plugins=[AtomicCheckpointIO()], default_root_dir=run_dir
+        cfg.trainer,
+        callbacks=callbacks,
+        logger=logger,
+        plugins=[AtomicCheckpointIO(), *slurm.plugins()],
+        default_root_dir=run_dir,
     )
 
     if writer:
@@ -152,6 +156,7 @@ def main(cfg: DictConfig) -> None:
             train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except Interrupted as stop:  # a sweep stops too: the user or the scheduler asked for it
         print(stop, file=sys.stderr)
+        slurm.requeue_after(stop.signum)  # a SLURM pre-emption warning: the job starts again and resumes
         sys.exit(stop.exit_code)
     except KeyboardInterrupt:  # Ctrl-C before training started: there is nothing to save
         sys.exit(128 + signal.SIGINT)
