@@ -1,14 +1,19 @@
 """A run dir is never overwritten: an unfinished run resumes itself exactly, a completed one is left alone, and a
 dir that holds another config's run is refused with nothing changed."""
 
+import csv
 import hashlib
+import json
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import cli, compose_config
+from conftest import ROOT, TINY, cli, compose_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.checks import ConfigError
@@ -117,3 +122,27 @@ def test_same_config_ignores_how_a_run_is_started_not_what_it_trains():
     assert identity(compose_config("ckpt_path=x.ckpt", "trainer.enable_progress_bar=true")) == base
     assert identity(compose_config("optimizer.lr=0.02")) != base
     assert identity(compose_config("trainer.devices=2")) != base
+
+
+def test_a_sweep_stopped_in_its_second_job_and_run_again_completes_every_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "train.py", "-m", *TINY, "data.num_samples=1000", "data.batch_size=4"]
+    command += ["trainer.max_epochs=3", "optimizer.lr=0.01,0.02,0.03", f"hydra.sweep.dir={sweep}"]
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while not any((sweep / "1").glob("tensorboard/*/events.*")):  # the second job is training
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-2000:]
+            time.sleep(0.1)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 128 + signal.SIGTERM
+    assert json.loads((sweep / "1" / "metrics.json").read_text())["status"] == "interrupted"
+    assert not (sweep / "2").exists()
+    job0 = snapshot(sweep / "0")
+
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert snapshot(sweep / "0") == job0  # the completed job's files, Hydra's .hydra/ included, byte for byte
+    rows = list(csv.DictReader((sweep / "results.csv").open()))
+    assert [(row["job"], row["status"]) for row in rows] == [("0", "completed"), ("1", "completed"), ("2", "completed")]
+    assert "Restoring states from the checkpoint" in again.stderr + again.stdout  # job 1 resumed, not restarted
