@@ -4,10 +4,12 @@ pre-emption by `scontrol requeue` (SIGTERM) and by SIGUSR1, each resuming in the
 Skipped only where SLURM is not installed (no `sinfo`); CI sets GPU_LAB_REQUIRE_SLURM=1, so a skip fails there.
 """
 
+import csv
 import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -113,3 +115,15 @@ def test_a_preempted_job_is_requeued_and_resumes_bit_for_bit(tmp_path, uninterru
     assert metrics(run_dir).get("status") == "completed", log()
     resumed = final_weights(run_dir)
     assert [k for k in uninterrupted if not torch.equal(resumed[k], uninterrupted[k])] == []
+
+
+def test_submitit_slurm_sweep_of_ddp_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "train.py", "-m", *TINY, "trainer.accelerator=cpu", "optimizer.lr=0.01,0.02"]
+    command += ["hydra/launcher=submitit_slurm", "hydra.launcher.tasks_per_node=2", "trainer.devices=2"]
+    command += ["hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=10"]
+    command += [f"hydra.launcher.name=submitit-{tmp_path.name}", f"hydra.sweep.dir={sweep}"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = list(csv.DictReader((sweep / "results.csv").open()))
+    assert [(row["status"], row["world_size"]) for row in rows] == [("completed", "2")] * 2
