@@ -50,6 +50,7 @@ class Checkpoint:
     config: DictConfig  # the run's composed config
     feature_names: list[str] | None
     target_name: str | None
+    global_step: int  # the optimizer step it resumes at: where a resumed run's curves restart
     setting: str = "ckpt_path"
 
     @property
@@ -123,7 +124,15 @@ def load_checkpoint(path: str | Path, setting: str = "ckpt_path") -> Checkpoint:
         raise refuse(f"its weights do not fit the model of its config (first difference: {diff[0][0]})")
     module.load_state_dict(state)
     module.eval()
-    return Checkpoint(path, module, config, record.get("feature_names"), record.get("target_name"), setting)
+    return Checkpoint(
+        path,
+        module,
+        config,
+        record.get("feature_names"),
+        record.get("target_name"),
+        int(raw.get("global_step", 0)),
+        setting,
+    )
 
 
 def check_fits(checkpoint: Checkpoint, num_features: int, out_features: int | None = None) -> None:

@@ -131,6 +131,10 @@ class Interruption(Callback):
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
         if stop:
             self.phase = "finished"
+            # Lightning writes this step's logged metrics only after this hook: write them now, or the step
+            # would be missing from the curves of the resumed run (it starts at the next step).
+            trainer._logger_connector.on_batch_end()
+            trainer._logger_connector.update_train_step_metrics()
             trainer.save_checkpoint(self.checkpoint)
             raise Interrupted(self.signum or signal.SIGTERM, self.checkpoint)
 

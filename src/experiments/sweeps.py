@@ -156,7 +156,10 @@ class SweepRecord(Callback):
             log.error("job %s failed: %s", config.hydra.job.num, record["error"])
         else:
             record["status"] = "completed"
-        write_atomic(job_dir / JOB_RECORD, json.dumps(record, indent=2) + "\n")
+        text = json.dumps(record, indent=2) + "\n"
+        if not (job_dir / JOB_RECORD).exists() or (job_dir / JOB_RECORD).read_text() != text:
+            # Unchanged when a re-run sweep finds the job completed (experiments.rundir): its files stay as they were.
+            write_atomic(job_dir / JOB_RECORD, text)
         write_results(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:

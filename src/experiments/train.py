@@ -15,6 +15,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
+from experiments import rundir, slurm
 from experiments.checkpoints import RunRecord, check_fits, load_checkpoint
 from experiments.checks import ConfigError, check_config, resolve_checkpoint
 from experiments.entry import CONFIG_DIR, entry_point  # noqa: F401 (CONFIG_DIR: tests compose with it)
@@ -29,23 +30,40 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     started = run_start_time()
     check_config(cfg)
     check_strategy(cfg)
-    if this_rank().started_by_launcher:
+    rank = this_rank()
+    if rank.started_by_launcher:
         end_with_parent()
-    ckpt_path = resolve_checkpoint(cfg.ckpt_path, run_dir)
+    run = rundir.settle(run_dir, cfg, writer=rank.zero)  # refuses a dir that holds another config's run
+    if run.state is rundir.State.COMPLETED:
+        print(f"nothing to do: {run_dir} holds this config's completed run (its metrics.json)")
+        return run.metrics
+    ckpt_path = run.checkpoint or resolve_checkpoint(cfg.ckpt_path, run_dir)  # an unfinished run resumes itself
     # A signal saves the exact position over last.ckpt, so that `ckpt_path=last` resumes from it.
     interruption = Interruption(str(run_dir / "checkpoints" / "last.ckpt"))
-    with interruption.handling():
-        metrics = fit(cfg, run_dir, started, ckpt_path, interruption)
-    interruption.raise_if_signalled()
+    try:
+        with interruption.handling():
+            metrics = fit(cfg, run, started, ckpt_path, interruption, writer=rank.zero)
+        interruption.raise_if_signalled()
+    except Interrupted as stop:
+        slurm.requeue_after(stop.signum)  # a SLURM pre-emption warning: the job starts again and resumes
+        raise
     return metrics
 
 
-def fit(cfg: DictConfig, run_dir: Path, started: float, ckpt_path: str | None, interruption: Interruption) -> dict:
+def fit(
+    cfg: DictConfig, run: rundir.RunDir, started: float, ckpt_path: str | None, interruption: Interruption, writer: bool
+) -> dict:
+    run_dir = run.path
     resumed = load_checkpoint(ckpt_path) if ckpt_path else None  # the checks of eval.py and predict.py
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     perf = PerfMonitor(global_batch_size=cfg.data.batch_size, started_at=started)
-    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0)
-    logger = instantiate(cfg.logger, save_dir=str(run_dir)) if cfg.logger else False
+    # Overwrite, not last-v1.ckpt: a run that resumes in its own dir goes on from its own last.ckpt.
+    checkpoint = ModelCheckpoint(
+        dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0, enable_version_counter=False
+    )
+    # Curves restart where the checkpoint does, when the run resumes in its own dir.
+    logger_options = rundir.logger_options(cfg.logger, resumed.global_step if run.checkpoint else None)
+    logger = instantiate(cfg.logger, save_dir=str(run_dir), **logger_options) if cfg.logger else False
     callbacks = [perf, checkpoint, interruption]
     if cfg.trainer.enable_progress_bar:
         # Lightning's default bar redraws on every step, which costs as much as a step of a small model:
@@ -54,7 +72,11 @@ def fit(cfg: DictConfig, run_dir: Path, started: float, ckpt_path: str | None, i
     # The constructors check their settings (experiments.entry reports what they refuse): build them before
     # the data is made.
     trainer = instantiate(
-        cfg.trainer, callbacks=callbacks, logger=logger, plugins=[AtomicCheckpointIO()], default_root_dir=run_dir
+        cfg.trainer,
+        callbacks=callbacks,
+        logger=logger,
+        plugins=[AtomicCheckpointIO(), *slurm.plugins()],
+        default_root_dir=run_dir,
     )
     data = instantiate(cfg.data)
     data.setup("fit")
@@ -71,6 +93,8 @@ def fit(cfg: DictConfig, run_dir: Path, started: float, ckpt_path: str | None, i
     net = instantiate(cfg.model, in_features=in_features)
     module = Regressor(net, instantiate(cfg.optimizer), data.feature_mean, data.feature_std)
 
+    if writer:
+        rundir.claim(run, cfg)
     status = "failed"
     try:
         with ranks_join_this_job():
@@ -110,7 +134,8 @@ def log_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: dict) -> None:
     final = {f"final/{k}": v for k, v in metrics.items() if isinstance(v, float)}
     for logger in trainer.loggers:
         if isinstance(logger, TensorBoardLogger):
-            logger.log_hyperparams(params, final)
+            # At the last step, not 0: a resumed run's TensorBoard file purges the interrupted one's from there on.
+            logger.log_hyperparams(params, final, step=trainer.global_step)
         else:
             logger.log_hyperparams(params)
         logger.finalize(metrics["status"])

@@ -1,0 +1,120 @@
+"""A run dir's state, read from what the run itself wrote: fresh, unfinished, completed, or another config's.
+
+This is the one record of a run's state that a reused `hydra.run.dir`, a requeued SLURM job and a re-run sweep
+all go through. A dir holds a run when it holds the run's checkpoint (`checkpoints/last.ckpt`) or its
+metrics.json; Hydra's `.hydra/` does not count, since Hydra writes it before any check runs. The config a run
+trains with is the run's own record, `run.yaml`, written when training starts (after every check), so a start
+that was refused or failed before training leaves no run behind.
+
+Same config: the composed config (Hydra's own `hydra.*` is never part of it) without the settings in `IGNORED`,
+which say how a run is started or shown, never what it computes or writes.
+"""
+
+import json
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.checks import ConfigError
+from experiments.records import write_atomic
+
+RUN_CONFIG = "run.yaml"
+HYDRA_COPY = ".run-hydra"  # the run's copy of Hydra's `.hydra/` files, put back when a start changes nothing
+LAST_CHECKPOINT = Path("checkpoints") / "last.ckpt"
+IGNORED = ("ckpt_path", "trainer.enable_progress_bar", "trainer.enable_model_summary")
+
+
+class State(Enum):
+    FRESH = "fresh"  # no run here: train from the start (or from ckpt_path)
+    UNFINISHED = "unfinished"  # interrupted, failed or killed: resume from its last checkpoint
+    COMPLETED = "completed"  # nothing to do
+    OTHER_CONFIG = "other config"  # refused
+
+
+@dataclass(frozen=True)
+class RunDir:
+    path: Path
+    state: State
+    checkpoint: Path | None = None  # where an unfinished run resumes from; None: from the start
+    metrics: dict | None = None  # its metrics.json, when there is one
+
+
+def identity(cfg: DictConfig) -> dict:
+    """What makes two configs the same run: the composed config, resolved, without `IGNORED`."""
+    tree = OmegaConf.to_container(cfg, resolve=True)
+    tree.pop("hydra", None)
+    for key in IGNORED:
+        *parents, leaf = key.split(".")
+        node = tree
+        for parent in parents:
+            node = node.get(parent) if isinstance(node, dict) else None
+        if isinstance(node, dict):
+            node.pop(leaf, None)
+    return tree
+
+
+def inspect(run_dir: Path, cfg: DictConfig) -> RunDir:
+    metrics_file, checkpoint = run_dir / "metrics.json", run_dir / LAST_CHECKPOINT
+    if not metrics_file.exists() and not checkpoint.exists():
+        return RunDir(run_dir, State.FRESH)
+    stored = run_dir / RUN_CONFIG
+    if not stored.exists() or identity(OmegaConf.load(stored)) != identity(cfg):
+        return RunDir(run_dir, State.OTHER_CONFIG)
+    metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else None
+    if metrics and metrics.get("status") == "completed":
+        return RunDir(run_dir, State.COMPLETED, metrics=metrics)
+    return RunDir(run_dir, State.UNFINISHED, checkpoint if checkpoint.exists() else None, metrics)
+
+
+def settle(run_dir: Path, cfg: DictConfig, writer: bool = True) -> RunDir:
+    """Decide what a start in `run_dir` does, before anything is built: raise `ConfigError` for a dir that holds
+    another config's run; for a completed one, put Hydra's files back as the run left them, so the dir is as it was.
+    Only the `writer` (rank 0) puts files back.
+    """
+    run = inspect(run_dir, cfg)
+    if run.state is State.OTHER_CONFIG:
+        if writer:
+            restore_hydra_files(run_dir)
+        what = "a run of another config" if (run_dir / RUN_CONFIG).exists() else "a run whose config is unrecorded"
+        raise ConfigError(
+            f"hydra.run.dir={run_dir} holds {what} (its metrics.json or checkpoint); allowed: the same config "
+            f"(see {run_dir / RUN_CONFIG}) to resume or keep it, or another hydra.run.dir"
+        )
+    if run.state is State.COMPLETED and writer:
+        restore_hydra_files(run_dir)
+    return run
+
+
+def claim(run: RunDir, cfg: DictConfig) -> None:
+    """As a fresh run starts training: record its config and a copy of Hydra's `.hydra/` files (rank 0 only).
+    An unfinished run keeps the record it started with."""
+    if run.state is not State.FRESH:
+        return
+    write_atomic(run.path / RUN_CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
+    hydra_dir = run.path / ".hydra"
+    for source in sorted(hydra_dir.glob("*.yaml")) if hydra_dir.is_dir() else []:
+        write_atomic(run.path / HYDRA_COPY / source.name, source.read_text())
+
+
+def restore_hydra_files(run_dir: Path) -> None:
+    # Hydra rewrites `.hydra/*.yaml` on every start, before the task runs; a start that changes nothing puts
+    # back the run's own copy wherever the content differs (a different order of overrides, another launcher).
+    copy = run_dir / HYDRA_COPY
+    for saved in sorted(copy.glob("*.yaml")) if copy.is_dir() else []:
+        target = run_dir / ".hydra" / saved.name
+        if not target.exists() or target.read_bytes() != saved.read_bytes():
+            write_atomic(target, saved.read_text())
+
+
+def logger_options(logger_cfg: DictConfig | None, resume_step: int | None) -> dict:
+    """Keyword arguments for the logger of a run that resumes at `resume_step` in its own dir.
+
+    TensorBoardLogger appends a new event file beside the old ones; `purge_step` (torch's SummaryWriter) marks
+    where the new one restarts, and TensorBoard's reader then drops the old file's events from that step on, so
+    each step is there once, including the steps a killed run logged after its last checkpoint.
+    """
+    if resume_step is None or not logger_cfg or not str(logger_cfg.get("_target_", "")).endswith("TensorBoardLogger"):
+        return {}
+    return {"purge_step": resume_step}

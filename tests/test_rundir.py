@@ -1,0 +1,148 @@
+"""A run dir is never overwritten: an unfinished run resumes itself exactly, a completed one is left alone, and a
+dir that holds another config's run is refused with nothing changed."""
+
+import csv
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY, cli, compose_config
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from experiments.checks import ConfigError
+from experiments.failures import Interrupted
+from experiments.module import Regressor
+from experiments.rundir import RUN_CONFIG, State, identity, inspect
+from experiments.train import train
+
+RESUMABLE = ["trainer.max_epochs=3", "optimizer.momentum=0.9"]  # momentum: optimizer state to restore
+
+
+def weights(run_dir: Path) -> dict:
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    return {**checkpoint["state_dict"], "global_step": torch.tensor(checkpoint["global_step"])}
+
+
+def scalar_steps(run_dir: Path) -> dict[str, list[int]]:
+    """Every scalar tag's steps as TensorBoard's own reader shows them (one list per tag, in file order)."""
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    return {tag: [e.step for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def snapshot(run_dir: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(run_dir)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(run_dir.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("uninterrupted")
+    metrics = train(compose_config(*RESUMABLE), run_dir)
+    assert metrics["status"] == "completed"
+    return run_dir
+
+
+def test_an_interrupted_run_started_again_in_its_dir_resumes_exactly(tmp_path, monkeypatch, uninterrupted):
+    run_dir = tmp_path / "run"
+    calls = []
+
+    def sigterm_at_batch_11(self, *args):  # mid second epoch (8 batches an epoch)
+        calls.append(args)
+        if len(calls) == 11:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(Regressor, "on_train_batch_start", sigterm_at_batch_11)
+        with pytest.raises(Interrupted):
+            train(compose_config(*RESUMABLE), run_dir)
+    assert inspect(run_dir, compose_config(*RESUMABLE)).state is State.UNFINISHED
+
+    metrics = train(compose_config(*RESUMABLE), run_dir)  # no ckpt_path: the dir's own checkpoint
+    assert metrics["status"] == "completed" and metrics["global_step"] == 24
+    resumed, reference = weights(run_dir), weights(uninterrupted)
+    assert [k for k in reference if not torch.equal(resumed[k], reference[k])] == []
+    # Event files of both starts in one dir; TensorBoard shows each step once, exactly those of the uninterrupted run.
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) > 1
+    steps, reference_steps = scalar_steps(run_dir), scalar_steps(uninterrupted)
+    assert steps.keys() == reference_steps.keys()
+    for tag, reference_tag_steps in reference_steps.items():
+        if tag.startswith("perf/"):  # timed after a warm-up of 5 steps in each process: a gap, never a repeat
+            assert len(set(steps[tag])) == len(steps[tag]) and set(steps[tag]) < set(reference_tag_steps)
+        else:
+            assert steps[tag] == reference_tag_steps, tag
+
+
+def test_a_completed_run_started_again_does_nothing_and_says_so(tmp_path):
+    run_dir = tmp_path / "run"
+    args = ("trainer.max_epochs=1", f"hydra.run.dir={run_dir}")
+    assert cli(*args).returncode == 0
+    before = snapshot(run_dir)
+    again = cli(*args)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert f"nothing to do: {run_dir} holds this config's completed run" in again.stdout
+    assert snapshot(run_dir) == before  # Hydra's rewritten .hydra/ files included
+
+    # Another config in the same dir: one line, exit 2, and still nothing changed. Then a setting that cannot
+    # change the result (the progress bar) is the same config.
+    other = cli("trainer.max_epochs=2", f"hydra.run.dir={run_dir}")
+    assert other.returncode == 2
+    error = [line for line in other.stderr.splitlines() if line.startswith("error:")]
+    assert len(error) == 1 and f"hydra.run.dir={run_dir} holds a run of another config" in error[0]
+    assert snapshot(run_dir) == before
+    assert cli(*args, "trainer.enable_progress_bar=true").returncode == 0
+    assert snapshot(run_dir) == before
+
+
+def test_bad_input_in_a_run_dir_leaves_no_run_behind(tmp_path):
+    run_dir = tmp_path / "run"
+    assert cli("optimizer.lr=-1", f"hydra.run.dir={run_dir}").returncode == 2
+    assert not any((run_dir / name).exists() for name in ("metrics.json", "checkpoints", RUN_CONFIG))
+    assert inspect(run_dir, compose_config()).state is State.FRESH
+
+
+def test_a_dir_without_a_recorded_config_is_refused(tmp_path):
+    # e.g. a run made before runs recorded their config, or files put there by hand
+    (tmp_path / "metrics.json").write_text('{"status": "completed"}')
+    with pytest.raises(ConfigError, match="holds a run whose config is unrecorded"):
+        train(compose_config(), tmp_path)
+
+
+def test_same_config_ignores_how_a_run_is_started_not_what_it_trains():
+    base = identity(compose_config())
+    assert identity(compose_config("ckpt_path=x.ckpt", "trainer.enable_progress_bar=true")) == base
+    assert identity(compose_config("optimizer.lr=0.02")) != base
+    assert identity(compose_config("trainer.devices=2")) != base
+
+
+def test_a_sweep_stopped_in_its_second_job_and_run_again_completes_every_job(tmp_path):
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "train.py", "-m", *TINY, "data.num_samples=1000", "data.batch_size=4"]
+    command += ["trainer.max_epochs=3", "optimizer.lr=0.01,0.02,0.03", f"hydra.sweep.dir={sweep}"]
+    with open(tmp_path / "first.log", "w") as log:
+        first = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 180
+        while not any((sweep / "1").glob("tensorboard/*/events.*")):  # the second job is training
+            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-2000:]
+            time.sleep(0.1)
+        first.send_signal(signal.SIGTERM)
+        assert first.wait(timeout=60) == 128 + signal.SIGTERM
+    assert json.loads((sweep / "1" / "metrics.json").read_text())["status"] == "interrupted"
+    assert not (sweep / "2").exists()
+    job0 = snapshot(sweep / "0")
+
+    again = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert snapshot(sweep / "0") == job0  # the completed job's files, Hydra's .hydra/ included, byte for byte
+    rows = list(csv.DictReader((sweep / "results.csv").open()))
+    assert [(row["job"], row["status"]) for row in rows] == [("0", "completed"), ("1", "completed"), ("2", "completed")]
+    assert "Restoring states from the checkpoint" in again.stderr + again.stdout  # job 1 resumed, not restarted
