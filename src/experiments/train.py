@@ -15,7 +15,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,10 +29,12 @@ from experiments.failures import (
     end_with_parent,
     out_of_memory,
 )
+from experiments.log_steps import LogStepProgressBar
 from experiments.module import Regressor
 from experiments.perf import PerfMonitor
 from experiments.records import AtomicCheckpointIO, final_figures, run_record, write_metrics
 from experiments.strategies import check_strategy, ranks_join_this_job
+from experiments.target import TimeToTarget
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
@@ -55,15 +57,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     module = Regressor(net, instantiate(cfg.optimizer), data.feature_mean, data.feature_std)
 
     perf = PerfMonitor(global_batch_size=cfg.data.batch_size)
+    target = TimeToTarget(perf, **cfg.target)
     checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0)
     # A signal saves the exact position over last.ckpt, so that `ckpt_path=last` resumes from it.
     interruption = Interruption(str(run_dir / "checkpoints" / "last.ckpt"))
     logger = instantiate(cfg.logger, save_dir=str(run_dir)) if cfg.logger else False
-    callbacks = [perf, checkpoint, interruption]
+    callbacks = [target, perf, checkpoint, interruption]
     if cfg.trainer.enable_progress_bar:
-        # Lightning's default bar redraws on every step, which costs as much as a step of a small model:
-        # redraw when the logger writes.
-        callbacks.append(TQDMProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
+        callbacks.append(LogStepProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
     trainer = instantiate(
         cfg.trainer, callbacks=callbacks, logger=logger, plugins=[AtomicCheckpointIO()], default_root_dir=run_dir
     )
@@ -88,7 +89,9 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             **(final_figures(module.net, data) if status != "failed" else unmeasured),
             "train_loss": None if train_loss is None else train_loss.item(),
             **perf.summary,
+            **target.summary,
             "data_device": str(data.x_train.device),
+            "data_pinned": data.pins_batches,
             "wall_time_s": time.perf_counter() - started,
         }
         if trainer.is_global_zero:
