@@ -243,3 +243,13 @@ def test_host_data_on_the_gpu_pinned_or_pageable(run_in_process, pin):
     metrics, _ = run_in_process("trainer.accelerator=gpu", "data.on_device=false", f"data.pin_memory={pin}")
     assert metrics["data_pinned"] is (pin == "true") and metrics["transfer_ms"] > 0
     assert metrics["compute_ms"] > 0 and metrics["status"] == "completed"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
+def test_gpu_check_refuses_without_cuda():
+    done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert (
+        done.stderr.strip()
+        == "error: no CUDA GPU is visible to PyTorch here; scripts/gpu_check.sh runs only where one is"
+    )
