@@ -174,10 +174,9 @@ def xy_section(
 ) -> Section:
     """One metric against another, a line per series; skipped when no series has two x values."""
     section = Section(title)
-    groups = {k: sorted(v, key=lambda j: j.metrics[x]) for k, v in by_series(completed(jobs), x_keys).items()}
-    groups = {
-        k: v for k, v in groups.items() if len({j.metrics[x] for j in v}) > 1 and all(j.metrics.get(y) for j in v)
-    }
+    measured = [j for j in completed(jobs) if j.metrics.get(y) is not None]  # time_to_target_s: null if missed
+    groups = {k: sorted(v, key=lambda j: j.metrics[x]) for k, v in by_series(measured, x_keys).items()}
+    groups = {k: v for k, v in groups.items() if len({j.metrics[x] for j in v}) > 1}
     if not groups:
         section.note = f"No plot: no series of completed jobs has two values of `{x}` in this sweep."
         return section
