@@ -37,6 +37,7 @@ from experiments.reports import (  # noqa: E402
     scaling_section,
     speedup_section,
     throughput_section,
+    time_to_target_section,
 )
 from experiments.sweeps import Job, find_jobs  # noqa: E402
 
@@ -62,6 +63,8 @@ SEED_SAYS = {
     "torch.nn.parallel.DistributedDataParallel.",
     "accumulation": "Accumulating the gradients of several small batches before one parameter update "
     "relieves the pressure on GPU memory.",
+    "target": "(not the seed's: what a user wants from faster training) Time to reach a given quality, "
+    "against batch size and accumulation.",
 }
 
 SWEEPS = {
@@ -89,6 +92,7 @@ SWEEPS = {
             "accumulation-speed", ["seed=0,1,2", "experiment=glob(study_accumulation_b*)"], ["trainer.accelerator=gpu"]
         ),
     ],
+    "target": [Sweep("target", ["experiment=study_target"], ["trainer.accelerator=gpu"])],
 }
 
 
@@ -269,6 +273,34 @@ def accumulation_claim(memory_jobs: list[Job], speed_jobs: list[Job], out: Path)
     return [section], lines, gpu_line(merged, "GPU memory and speed")
 
 
+def target_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str], str]:
+    section = time_to_target_section(jobs, out)
+    done = [j for j in completed(jobs) if j.metrics.get("time_to_target_s") is not None]
+    missed = [j for j in completed(jobs) if j.metrics.get("time_to_target_s") is None]
+    lines = []
+    if done:
+        fastest = max(done, key=lambda j: j.metrics["samples_per_sec"])
+        soonest = min(done, key=lambda j: j.metrics["time_to_target_s"])
+        for name, j in (("The most samples per second", fastest), ("The least time to the target", soonest)):
+            m = j.metrics
+            lines.append(
+                f"{name}: B={m['global_batch_size']} x {m['accumulate_grad_batches']} (effective "
+                f"{m['effective_batch_size']}), {m['samples_per_sec']:.3g} samples/s, target in "
+                f"{m['time_to_target_s']:.3g} s, {m['steps_to_target']} optimizer steps, "
+                f"{m['epochs_to_target']:.3g} epochs; "
+                f"{100 * m['compute_ms'] / m['step_time_ms']:.3g}% of a step compute."
+            )
+        if fastest is not soonest:
+            ratio = fastest.metrics["time_to_target_s"] / soonest.metrics["time_to_target_s"]
+            lines.append(f"The highest throughput took {ratio:.2f}x the least time to reach the target.")
+    lines += [
+        f"Effective batch {j.metrics['effective_batch_size']} ({' '.join(j.overrides)}): not within the target "
+        f"in {j.metrics['epochs']} epochs."
+        for j in missed
+    ]
+    return [section], lines, gpu_line(jobs, "the GPU's time to target")
+
+
 def final_weights(job: Job) -> torch.Tensor:
     state = torch.load(job.dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
     return torch.cat([state["net.weight"].flatten(), state["net.bias"].flatten()]).double()
@@ -286,6 +318,7 @@ TITLES = {
     "memory": "(c) Memory and batch size",
     "scaling": "(d) One device, DataParallel and DDP",
     "accumulation": "(e) Gradient accumulation",
+    "target": "(f) Time to target against batch size and accumulation",
 }
 
 
@@ -323,6 +356,8 @@ def main() -> None:
             sections, lines, verified = memory_claim(jobs, out)
         elif claim == "scaling":
             sections, lines, verified = scaling_claim(jobs, out)
+        elif claim == "target":
+            sections, lines, verified = target_claim(jobs, out)
         else:
             sections, lines, verified = accumulation_claim(results[0][0], median_of_repeats(results[1][0]), out)
         parts.append(render_claim(claim, results, sections, lines, verified, args.out.parent))

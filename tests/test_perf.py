@@ -168,3 +168,88 @@ def test_batches_copied_to_another_device_are_timed_by_the_data():
     moved = data.transfer_batch_to_device((x, x), torch.device("meta"), 0)
     assert moved[0].device.type == "meta"
     assert data.transfer_clock.total_seconds() > 0
+
+
+class Sleep(torch.nn.Module):
+    """A linear model whose forward also sleeps: compute the breakdown must find."""
+
+    def __init__(self, seconds: float):
+        super().__init__()
+        self.seconds, self.linear = seconds, torch.nn.Linear(8, 1)
+
+    def forward(self, x):
+        time.sleep(self.seconds)
+        return self.linear(x)
+
+
+class SlowCallback(Callback):
+    """Framework time: a callback that sleeps after every batch."""
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        time.sleep(0.010)
+
+
+def test_step_breakdown_finds_each_part_where_it_is_spent():
+    from experiments.perf import PerfMonitor
+
+    data = SyntheticRegression(num_samples=640, num_features=8, batch_size=64, seed=0)
+    data.setup()
+    sgd = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
+    module = Regressor(Sleep(0.005), sgd, data.feature_mean, data.feature_std)
+    perf = PerfMonitor(global_batch_size=64)
+    trainer = L.Trainer(
+        max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[perf, SlowCallback()], limit_val_batches=0,
+    )  # fmt: skip
+    trainer.fit(module, datamodule=data)
+    m = perf.summary
+    # The 5 ms sleep is in the forward (compute), the 10 ms one in a callback (framework); slicing is data.
+    assert 5 <= m["compute_ms"] < 10 <= m["framework_ms"]
+    assert 0 < m["data_ms"] < 1
+    parts = m["data_ms"] + m["transfer_ms"] + m["compute_ms"] + m["framework_ms"]
+    assert parts == pytest.approx(m["step_time_ms"])
+
+
+def test_breakdown_in_metrics_json_and_tensorboard(tiny_run):
+    metrics, run_dir = tiny_run
+    assert metrics["data_ms"] > 0 and metrics["compute_ms"] > 0
+    # Each part is timed on its own: the rest (framework) is what they leave, never less than nothing.
+    assert metrics["framework_ms"] >= -0.05 * metrics["step_time_ms"]
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    for name in ("data_ms", "compute_ms", "framework_ms"):
+        assert [p.step for p in events.Scalars(f"perf/{name}")] == list(range(6, metrics["global_step"] + 1))
+
+
+def test_log_steps_are_one_notion_under_accumulation(run_in_process):
+    # 16 micro-steps, 8 optimizer steps, log every 2 optimizer steps: train/loss (logged at Lightning's step
+    # index, 0-based), perf points (after the optimizer step) and the progress bar all on optimizer steps 2, 4, ...
+    metrics, run_dir = run_in_process(
+        "trainer.accumulate_grad_batches=2", "trainer.log_every_n_steps=2", "trainer.enable_progress_bar=true"
+    )
+    events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
+    assert metrics["global_step"] == 8
+    assert [p.step for p in events.Scalars("train/loss")] == [1, 3, 5, 7]
+    assert [p.step for p in events.Scalars("perf/step_time_ms")] == [4, 6, 8]  # warm-up ends at step 3
+
+
+def test_pin_memory_rejects_other_values():
+    with pytest.raises(ConfigError, match=r"data.pin_memory=yes: allowed: auto, true, false"):
+        SyntheticRegression(pin_memory="yes")
+
+
+@needs_cuda
+@pytest.mark.parametrize("pin", ["true", "false"])
+def test_host_data_on_the_gpu_pinned_or_pageable(run_in_process, pin):
+    metrics, _ = run_in_process("trainer.accelerator=gpu", "data.on_device=false", f"data.pin_memory={pin}")
+    assert metrics["data_pinned"] is (pin == "true") and metrics["transfer_ms"] > 0
+    assert metrics["compute_ms"] > 0 and metrics["status"] == "completed"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal where there is no GPU")
+def test_gpu_check_refuses_without_cuda():
+    done = subprocess.run(["bash", "scripts/gpu_check.sh"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 1
+    assert (
+        done.stderr.strip()
+        == "error: no CUDA GPU is visible to PyTorch here; scripts/gpu_check.sh runs only where one is"
+    )

@@ -25,7 +25,9 @@ def report(path) -> subprocess.CompletedProcess:
 def sweep(tmp_path_factory):
     """Two batch sizes x two accumulation settings: four jobs on one CPU device."""
     sweep_dir = tmp_path_factory.mktemp("report") / "sweep"
-    done = cli("data.batch_size=32,64", "trainer.accumulate_grad_batches=1,2", f"hydra.sweep.dir={sweep_dir}", "-m")
+    # A target every job reaches at its first validation, for the time-to-target plot.
+    overrides = ["data.batch_size=32,64", "trainer.accumulate_grad_batches=1,2", "target.mse_ratio=1000"]
+    done = cli(*overrides, f"hydra.sweep.dir={sweep_dir}", "-m")
     assert done.returncode == 0, done.stderr[-3000:]
     done = report(sweep_dir)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -38,12 +40,15 @@ def test_report_has_a_table_row_per_job(sweep):
         metrics = json.loads((sweep / str(num) / "metrics.json").read_text())
         assert f"| {num} | completed | " in text
         assert fmt(metrics["samples_per_sec"]) in text and fmt(metrics["peak_memory_mb"]) in text
+        assert metrics["time_to_target_s"] > 0 and fmt(metrics["time_to_target_s"]) in text
+        assert fmt(100 * metrics["compute_ms"] / metrics["step_time_ms"]) in text  # the speed table's compute share
 
 
 def test_report_plots_are_valid_pngs(sweep):
     out = sweep / "report"
     text = (out / "report.md").read_text()
     expected = ["loss_curves.png", "throughput_vs_batch.png", "memory_vs_batch.png", "accumulation.png"]
+    expected.append("time_to_target_vs_batch.png")
     assert sorted(p.name for p in out.glob("*.png")) == sorted(expected)
     for name in expected:
         assert f"]({name})" in text

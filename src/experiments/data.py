@@ -6,6 +6,10 @@ device count or the strategy changes the speed, never the maths.
 """
 
 import csv
+import os
+import threading
+import time
+from concurrent.futures import Future
 from functools import cached_property
 from pathlib import Path
 
@@ -14,7 +18,7 @@ import numpy as np
 import torch
 
 from experiments.checks import ConfigError
-from experiments.perf import TransferClock
+from experiments.perf import BatchClock, TransferClock
 
 
 class EpochShuffle:
@@ -49,6 +53,11 @@ class BatchLoader:
 
     Training batches drop the incomplete last global batch so that every rank always holds an equal share;
     evaluation batches keep it and split it as evenly as it goes (torchmetrics sums over ranks exactly).
+
+    `clock` (a BatchClock) adds up the host time spent forming batches. `pin_memory` gathers each batch
+    straight into page-locked host memory, from which a copy to a GPU is a DMA that need not block the host
+    (`non_blocking`); the batches come from PyTorch's caching host allocator, which hands a block out again only
+    once the copies that read it have completed.
     """
 
     batch_sampler = None  # Lightning treats an object with a `sampler` like a DataLoader and reads this
@@ -62,8 +71,12 @@ class BatchLoader:
         rank: int = 0,
         world_size: int = 1,
         drop_last: bool = True,
+        clock: BatchClock | None = None,
+        pin_memory: bool = False,
     ):
         self.x, self.y = x, y
+        self.clock = clock or BatchClock()
+        self.pin_memory = pin_memory
         self.batch_size = batch_size
         self.sampler = sampler
         self.rank, self.world_size = rank, world_size
@@ -87,6 +100,7 @@ class BatchLoader:
     def __iter__(self):
         # The body runs at the first batch, after Lightning has called `sampler.set_epoch`: a saved position
         # applies only to the epoch it was saved in (a checkpoint at an epoch's end starts the next one whole).
+        began = time.perf_counter()
         start = self.resume_at[1] if self.resume_at and self.resume_at[0] == self.sampler.epoch else 0
         self.resume_at = None
         self.epoch, self.batches = self.sampler.epoch, start
@@ -95,7 +109,19 @@ class BatchLoader:
             batch = order[i * self.batch_size : (i + 1) * self.batch_size]
             local = torch.tensor_split(batch, self.world_size)[self.rank]
             self.batches = i + 1
-            yield self.x[local], self.y[local]
+            xb, yb = (
+                (self._pinned(t, local) for t in (self.x, self.y))
+                if self.pin_memory
+                else (self.x[local], self.y[local])
+            )
+            self.clock.seconds += time.perf_counter() - began
+            yield xb, yb
+            began = time.perf_counter()
+
+    @staticmethod
+    def _pinned(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((len(index), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
+        return torch.index_select(t, 0, index, out=out)
 
 
 def least_squares(x: torch.Tensor, y: torch.Tensor, block_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -144,11 +170,21 @@ class RegressionData(L.LightningDataModule):
     Subclasses implement `load()`, returning all features and targets as float32 tensors.
     """
 
-    def __init__(self, batch_size: int, val_fraction: float, seed: int, standardize: bool, on_device: bool | str):
+    def __init__(
+        self,
+        batch_size: int,
+        val_fraction: float,
+        seed: int,
+        standardize: bool,
+        on_device: bool | str,
+        pin_memory: bool | str = "auto",
+    ):
         super().__init__()
-        if on_device not in ("auto", True, False):
-            raise ConfigError(f"data.on_device={on_device}: allowed: auto, true, false")
+        for name, value in (("on_device", on_device), ("pin_memory", pin_memory)):
+            if value not in ("auto", True, False):
+                raise ConfigError(f"data.{name}={value}: allowed: auto, true, false")
         self.on_device = on_device
+        self.pin_memory = pin_memory
         self.batch_size = batch_size
         self.val_fraction = val_fraction
         self.seed = seed
@@ -159,6 +195,7 @@ class RegressionData(L.LightningDataModule):
         self.feature_names: list[str] | None = None
         self.target_name: str | None = None
         self.transfer_clock = TransferClock()  # host-to-device copies of batches, read by PerfMonitor
+        self.batch_clock = BatchClock()  # forming the training batches, read by PerfMonitor
 
     def load(self) -> tuple[torch.Tensor, torch.Tensor]:
         raise NotImplementedError
@@ -189,11 +226,41 @@ class RegressionData(L.LightningDataModule):
                 f"({len(self.x_train)} samples); allowed: 1 to {len(self.x_train)}"
             )
 
-    # Computed when first read (for metrics.json, after training), not in `setup`: the solve takes seconds
-    # at d=1000 and would delay the first step.
+    def solve_optimum_in_background(self) -> None:
+        """Start solving `optimum` in a thread, so that validations during training can compare with it
+        (time to target) without delaying the first step.
+
+        Why a thread rather than accumulating the TSQR factor over the training batches: the QR update of a
+        batch costs (B + d) d^2 flops, far more than the step of a linear model (2 B d). The solve is the same
+        blockwise one as after training (least_squares: a float64 working set of a few 16 MB blocks, against
+        the 2 x dataset peak of `setup`, which is over by now), and LAPACK releases the GIL. The thread runs at
+        the lowest priority (nice 19, inherited by its intra-op threads on Linux) so that on a machine with
+        few cores the training steps get them first; the cost in step time is measured in docs/benchmarks.md.
+        The tensors are held until it ends, even if the data then moves to a GPU (host memory, a few seconds).
+        """
+        if "optimum" in self.__dict__ or getattr(self, "_optimum_future", None) is not None:
+            return
+        future, x, y = Future(), self.x_train, self.y_train
+
+        def solve() -> None:
+            try:
+                os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
+            except (AttributeError, OSError):
+                pass
+            try:
+                future.set_result(least_squares(x, y))
+            except BaseException as err:  # handed to whoever reads `optimum`
+                future.set_exception(err)
+
+        self._optimum_future = future
+        threading.Thread(target=solve, name="least-squares", daemon=True).start()
+
+    # Solved when first read (for metrics.json, after training) unless `solve_optimum_in_background` started
+    # it: never in `setup`, where the solve (seconds at d=1000) would delay the first step.
     @cached_property
     def optimum(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return least_squares(self.x_train, self.y_train)
+        future = getattr(self, "_optimum_future", None)
+        return future.result() if future is not None else least_squares(self.x_train, self.y_train)
 
     @cached_property
     def optimal_val_mse(self) -> float:
@@ -203,6 +270,13 @@ class RegressionData(L.LightningDataModule):
     @property
     def num_features(self) -> int:
         return self.x_train.shape[1]
+
+    @property
+    def pins_batches(self) -> bool:
+        """Whether batches are gathered into pinned memory: `pin_memory` (auto or true; false: pageable) applies
+        to host-resident data copied to a CUDA GPU, the one case where the copy can use it."""
+        device = self.trainer.strategy.root_device if self.trainer else torch.device("cpu")
+        return self.pin_memory is not False and device.type == "cuda" and self.x_train.device.type == "cpu"
 
     def _loader(self, x: torch.Tensor, y: torch.Tensor, shuffle: bool) -> BatchLoader:
         trainer = self.trainer
@@ -214,6 +288,8 @@ class RegressionData(L.LightningDataModule):
             rank=trainer.global_rank if trainer else 0,
             world_size=trainer.world_size if trainer else 1,
             drop_last=shuffle,
+            clock=self.batch_clock if shuffle else None,  # training batches only: validation is left out
+            pin_memory=self.pins_batches,
         )
 
     def _place_on_device(self) -> None:
@@ -233,6 +309,8 @@ class RegressionData(L.LightningDataModule):
         # when a module overrides this hook while a DataModule is in use.
         if batch[0].device == device:  # device-resident data, or the CPU: nothing to copy
             return batch
+        # Lightning copies with non_blocking=True to CUDA (fabric's `move_data_to_device`): from pinned batches
+        # the copy is queued and the host goes on; from pageable ones CUDA stages it and the host waits.
         with self.transfer_clock.timing(device):
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
@@ -258,8 +336,9 @@ class SyntheticRegression(RegressionData):
         batch_size: int = 256,
         seed: int = 0,
         on_device: bool | str = "auto",
+        pin_memory: bool | str = "auto",
     ):
-        super().__init__(batch_size, val_fraction, seed, standardize=False, on_device=on_device)
+        super().__init__(batch_size, val_fraction, seed, standardize=False, on_device=on_device, pin_memory=pin_memory)
         self.num_samples = num_samples
         self.features = num_features
         self.num_targets = num_targets
@@ -294,8 +373,9 @@ class FileRegression(RegressionData):
         standardize: bool = True,
         seed: int = 0,
         on_device: bool | str = "auto",
+        pin_memory: bool | str = "auto",
     ):
-        super().__init__(batch_size, val_fraction, seed, standardize, on_device)
+        super().__init__(batch_size, val_fraction, seed, standardize, on_device, pin_memory)
         self.path = Path(path)
         self.target = target
         self.features = None if features is None else [str(name) for name in features]

@@ -18,6 +18,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from experiments.log_steps import is_log_step
+
 EXIT_FAILED = 1
 EXIT_BAD_INPUT = 2
 
@@ -148,11 +150,11 @@ def check_loss(loss: torch.Tensor, trainer: L.Trainer, batch_idx: int) -> None:
     """Raise `RunFailed` when the loss is not finite.
 
     On the CPU reading the loss costs well under a microsecond, so every step is checked and the run stops
-    at the step that diverged. On an accelerator, `.item()` waits for the device, so the loss is read only
-    every `trainer.log_every_n_steps` steps (where Lightning syncs to log anyway): a diverged model stays
-    non-finite, so the run still stops, at most that many steps late.
+    at the step that diverged. On an accelerator, `.item()` waits for the device, so the loss is read only on
+    log steps (experiments.log_steps, where Lightning syncs to log anyway): a diverged model stays non-finite,
+    so the run still stops, at most `trainer.log_every_n_steps` optimizer steps late.
     """
-    if loss.device.type != "cpu" and (batch_idx + 1) % trainer.log_every_n_steps:
+    if loss.device.type != "cpu" and not is_log_step(trainer):
         return
     value = loss.item()
     if not math.isfinite(value):

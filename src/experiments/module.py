@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from torchmetrics import MeanAbsoluteError, MeanSquaredError, MetricCollection, R2Score
 
 from experiments.failures import check_loss
+from experiments.log_steps import is_log_step
+from experiments.perf import ComputeClock
 
 
 class Regressor(L.LightningModule):
@@ -30,6 +32,7 @@ class Regressor(L.LightningModule):
         self.make_optimizer = optimizer
         self.register_buffer("feature_mean", feature_mean.clone())
         self.register_buffer("feature_std", feature_std.clone())
+        self.compute_clock = ComputeClock()  # forward, backward and update, read by PerfMonitor (compute_ms)
         self.val_metrics = MetricCollection(
             {"mse": MeanSquaredError(), "mae": MeanAbsoluteError(), "r2": R2Score()}, prefix="val/"
         )
@@ -54,18 +57,33 @@ class Regressor(L.LightningModule):
         return self.predict_raw(batch[0])  # predict.py feeds raw inputs (its batches carry no targets)
 
     def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        self.compute_clock.start(micro_step=True)
         x, y = batch
         loss = F.mse_loss(self(x), y)
+        self.compute_clock.stop()
         self.last_loss = loss.detach()  # metrics.json's train_loss: read once, after the fit
         # `self.log` costs more than a step of a small model (its result collection re-walks its state on
-        # every call), so it is called only on the steps that the logger writes, which Lightning's logger
-        # connector decides (`should_update_logs`, the test behind `log_every_n_steps`). A tensor, not
-        # `.item()`, and no progress-bar entry: nothing here waits for the device.
-        if self.trainer._logger_connector.should_update_logs:
+        # every call), so it is called only on the steps that the logger writes (experiments.log_steps). A
+        # tensor, not `.item()`, and no progress-bar entry: nothing here waits for the device.
+        if is_log_step(self.trainer):
             self.log("train/loss", loss)
         # Before the backward pass, so a diverged step never reaches the weights or a checkpoint.
         check_loss(loss, self.trainer, batch_idx)
         return loss
+
+    # The compute clock's other two brackets: the backward pass, and the optimizer's update, which runs after
+    # the closure (forward and backward) inside `optimizer.step`, from `on_before_optimizer_step` on.
+    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
+        self.compute_clock.start()
+        super().backward(loss, *args, **kwargs)
+        self.compute_clock.stop()
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.compute_clock.start()
+
+    def optimizer_step(self, *args, **kwargs) -> None:
+        super().optimizer_step(*args, **kwargs)
+        self.compute_clock.stop(step_done=True)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch

@@ -2,6 +2,7 @@
 
 import os
 import resource
+import threading
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -10,6 +11,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import PassThroughProfiler
+
+from experiments.log_steps import ends_optimizer_step, is_log_step
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -114,14 +117,93 @@ class TransferClock:
         return self.seconds
 
 
-class PerfMonitor(Callback):
-    """Steady-state step time and throughput, transfer time, peak memory and start-up time.
+class BatchClock:
+    """Host seconds spent forming training batches (BatchLoader's slicing), added to by the loader itself.
 
-    Step time counts micro-steps (one global batch of `data.batch_size` samples each). The clock starts
-    after `warmup_steps`, so start-up and first-step compilation stay out of the steady state:
-    step time = (T(N) - T(warmup)) / (N - warmup), with time spent in validation left out. The device is
-    synchronised only when a figure is read: every `trainer.log_every_n_steps` micro-steps, around
+    Two `time.perf_counter()` reads a batch (about 0.1 us together); on a GPU with device-resident data the
+    slicing only queues a gather, and this is the time to queue it.
+    """
+
+    def __init__(self):
+        self.seconds = 0.0
+
+
+class ComputeClock:
+    """Forward, backward and optimizer update of training steps, bracketed by the module (module.py).
+
+    The module calls `start()` and `stop()` around each part: the forward (training_step up to the loss), the
+    backward (its `backward`) and the update (`on_before_optimizer_step` to the end of `optimizer_step`), so
+    Lightning's code between the parts (its closure, hook dispatch, logging) stays out. On the CPU (and MPS,
+    whose kernels run before the host goes on, mostly) the host clock times every micro-step: six clock reads,
+    about 1 us a step in all. On CUDA the host clock would time kernel launches, not kernels: a pair of CUDA
+    events brackets each part of one optimizer step per log interval (`sample()`), read only after the
+    monitor has synchronised, so no step waits for the device and the other steps record nothing.
+
+    Only the thread that bound the clock is timed: under strategy=dp the replicas' forward passes run in
+    threads of their own, and compute_ms then counts the backward and the update.
+    """
+
+    def __init__(self):
+        self.seconds = 0.0
+        self.micro_steps = 0  # micro-steps timed: every one on the host clock, the sampled ones with events
+        self.cuda = False
+        self.active = True  # host clock: always; CUDA: during a sampled optimizer step
+        self.pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._start = None
+        self._thread = threading.get_ident()
+
+    def bind(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.active = not self.cuda
+        self._thread = threading.get_ident()
+
+    def sample(self) -> None:
+        """Time the next optimizer step (CUDA; on the host clock every step is timed anyway)."""
+        self.active = True
+
+    def _now(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def start(self, micro_step: bool = False) -> None:
+        if not self.active or threading.get_ident() != self._thread:
+            return
+        self.micro_steps += micro_step
+        self._start = self._now()
+
+    def stop(self, step_done: bool = False) -> None:
+        if self._start is None:
+            return
+        if self.cuda:
+            self.pending.append((self._start, self._now()))
+            self.active = not step_done
+        else:
+            self.seconds += time.perf_counter() - self._start
+        self._start = None
+
+    def total(self) -> tuple[float, int]:
+        """(seconds, micro-steps) timed so far; call it after a device sync, so that every event has completed."""
+        self.seconds += sum(start.elapsed_time(end) for start, end in self.pending) / 1e3
+        self.pending.clear()
+        return self.seconds, self.micro_steps
+
+
+class PerfMonitor(Callback):
+    """Steady-state step time and throughput, where a step's time goes, peak memory and start-up time.
+
+    Step time counts micro-steps (one global batch of `data.batch_size` samples each). The clock starts at the
+    first optimizer-step boundary after `warmup_steps` micro-steps, so start-up and first-step compilation stay
+    out of the steady state: step time = (T(N) - T(warmup)) / (N - warmup), with time spent in validation left
+    out. The device is synchronised only when a figure is read: on log steps (experiments.log_steps), around
     validation and at the end.
+
+    A step's time is split into `data_ms` (forming the batch: BatchClock), `transfer_ms` (host-to-device
+    copies: TransferClock), `compute_ms` (forward, backward and optimizer update: ComputeClock) and
+    `framework_ms`, the rest: Lightning's loop, hooks, callbacks and logging. Each of the first three is
+    timed on its own, so the rest is a measurement too (it would come out negative if the parts overlapped).
 
     TensorBoard's `perf/*` points describe the interval since the previous point; `summary` (metrics.json)
     the whole steady state. `startup_s` runs from `started_at` (`run_start_time()`: the start of the process
@@ -138,6 +220,11 @@ class PerfMonitor(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         reset_peak_memory(pl_module.device)
+        self.compute_clock = getattr(pl_module, "compute_clock", None) or ComputeClock()
+        self.compute_clock.bind(pl_module.device)
+        self.compute_clock.sample()
+        self.batch_clock = getattr(trainer.datamodule, "batch_clock", None) or BatchClock()
+        self.transfer_clock = getattr(trainer.datamodule, "transfer_clock", None)
         self.steps = 0
         self.paused = self.paused_transfer = 0.0  # seconds in validation, and in its copies, since the fit began
         self.first_step_at = None
@@ -150,23 +237,26 @@ class PerfMonitor(Callback):
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
         self.steps += 1
-        if self.steps == self.warmup_steps:
-            self.steady_start = self.interval_start = self._mark(pl_module)
-        elif self.steady_start and self.steps % trainer.log_every_n_steps == 0:
+        if self.steady_start is None:
+            if self.steps >= self.warmup_steps and ends_optimizer_step(trainer):
+                self.steady_start = self.interval_start = self._mark(pl_module)
+                self.compute_clock.sample()
+        elif is_log_step(trainer) and ends_optimizer_step(trainer):
             mark = self._mark(pl_module)
             interval = self._figures(self.interval_start, mark, pl_module)
             self.interval_start = mark
+            self.compute_clock.sample()
             for logger in trainer.loggers:
                 logger.log_metrics({f"perf/{k}": v for k, v in interval.items()}, step=trainer.global_step)
 
     def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.steps is not None and not trainer.sanity_checking:
-            self.validation_start = (self._clock(pl_module), self._transfer_seconds(pl_module))
+            self.validation_start = (self._clock(pl_module), self._transfer_seconds())
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         if self.validation_start is not None:
             self.paused += self._clock(pl_module) - self.validation_start[0]
-            self.paused_transfer += self._transfer_seconds(pl_module) - self.validation_start[1]
+            self.paused_transfer += self._transfer_seconds() - self.validation_start[1]
             self.validation_start = None
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
@@ -175,26 +265,47 @@ class PerfMonitor(Callback):
         if self.started_at is not None and self.first_step_at is not None:
             self.summary["startup_s"] = self.first_step_at - self.started_at
 
+    def training_seconds(self) -> float:
+        """Seconds of training since the fit began, validation left out; during a validation, up to its start."""
+        now = self.validation_start[0] if self.validation_start else time.perf_counter()
+        return now - self.paused - self.fit_start["time"]
+
     def _clock(self, pl_module: L.LightningModule) -> float:
         if pl_module.device.type == "cuda":
             torch.cuda.synchronize(pl_module.device)
         return time.perf_counter()
 
-    def _transfer_seconds(self, pl_module: L.LightningModule) -> float:
-        clock = getattr(pl_module.trainer.datamodule, "transfer_clock", None)
-        return clock.total_seconds() if clock else 0.0
+    def _transfer_seconds(self) -> float:
+        return self.transfer_clock.total_seconds() if self.transfer_clock else 0.0
 
-    def _mark(self, pl_module: L.LightningModule) -> tuple[float, int, float]:
-        """(training time, micro-steps, transfer seconds) now, validation left out of both times."""
+    def _mark(self, pl_module: L.LightningModule) -> dict[str, float]:
+        """The clocks now, validation left out of the training time and of the transfers."""
         training_time = self._clock(pl_module) - self.paused
-        return training_time, self.steps, self._transfer_seconds(pl_module) - self.paused_transfer
+        compute, computed_steps = self.compute_clock.total()
+        return {
+            "time": training_time,
+            "steps": self.steps,
+            "transfer": self._transfer_seconds() - self.paused_transfer,
+            "data": self.batch_clock.seconds,
+            "compute": compute,
+            "computed_steps": computed_steps,
+        }
 
-    def _figures(self, start: tuple, end: tuple, pl_module: L.LightningModule) -> dict[str, float]:
-        steps = max(end[1] - start[1], 1)
-        elapsed = max(end[0] - start[0], 1e-9)
+    def _figures(self, start: dict, end: dict, pl_module: L.LightningModule) -> dict[str, float]:
+        steps = max(end["steps"] - start["steps"], 1)
+        elapsed = max(end["time"] - start["time"], 1e-9)
+        computed = end["computed_steps"] - start["computed_steps"]
+        figures = {
+            "step_time_ms": 1e3 * elapsed / steps,
+            "data_ms": 1e3 * (end["data"] - start["data"]) / steps,
+            "transfer_ms": 1e3 * (end["transfer"] - start["transfer"]) / steps,
+            # per micro-step of the steps timed: all of them on the host clock, the sampled ones on CUDA
+            "compute_ms": 1e3 * (end["compute"] - start["compute"]) / computed if computed else 0.0,
+        }
+        figures["framework_ms"] = figures["step_time_ms"] - figures["data_ms"] - figures["transfer_ms"]
+        figures["framework_ms"] -= figures["compute_ms"]
         return {
             "samples_per_sec": self.global_batch_size * steps / elapsed,
-            "step_time_ms": 1e3 * elapsed / steps,
-            "transfer_ms": 1e3 * (end[2] - start[2]) / steps,
+            **figures,
             "peak_memory_mb": peak_memory_mb(pl_module.device),
         }

@@ -64,7 +64,7 @@ def completed(jobs: list[Job]) -> list[Job]:
     return [j for j in jobs if j.status == "completed" and j.metrics.get("samples_per_sec")]
 
 
-SPEED_FIGURES = ("samples_per_sec", "step_time_ms", "transfer_ms")
+SPEED_FIGURES = ("samples_per_sec", "step_time_ms", "transfer_ms", "data_ms", "compute_ms", "framework_ms")
 REPEAT_KEYS = ("seed", "data.seed")
 
 
@@ -172,7 +172,8 @@ def xy_section(
 ) -> Section:
     """One metric against another, a line per series; skipped when no series has two x values."""
     section = Section(title)
-    groups = {k: sorted(v, key=lambda j: j.metrics[x]) for k, v in by_series(completed(jobs), x_keys).items()}
+    measured = [j for j in completed(jobs) if j.metrics.get(y) is not None]  # time_to_target_s: null if missed
+    groups = {k: sorted(v, key=lambda j: j.metrics[x]) for k, v in by_series(measured, x_keys).items()}
     groups = {k: v for k, v in groups.items() if len({j.metrics[x] for j in v}) > 1}
     if not groups:
         section.note = f"No plot: no series of completed jobs has two values of `{x}` in this sweep."
@@ -180,13 +181,27 @@ def xy_section(
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, group in groups.items():
         ax.plot([j.metrics[x] for j in group], [j.metrics[y] for j in group], marker="o", label=label)
-        section.rows += [{"series": label, x: j.metrics[x], y: j.metrics[y]} for j in group]
+        section.rows += [{"series": label, x: j.metrics[x], y: j.metrics[y], **compute_share(j)} for j in group]
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     log2_axis(ax)
     ax.legend(fontsize="x-small")
-    section.columns = ["series", x, y]
+    section.columns = ["series", x, y, "compute_pct"]
     section.plot = save(fig, out / filename)
     return section
+
+
+def compute_share(job: Job) -> dict:
+    """How much of a step was compute (forward, backward, update), in %: every speed table says it."""
+    m = job.metrics
+    return {"compute_pct": 100 * m["compute_ms"] / m["step_time_ms"]} if m.get("compute_ms") is not None else {}
+
+
+def time_to_target_section(jobs: list[Job], out: Path) -> Section:
+    return xy_section(
+        jobs, out, "Time to target vs batch size", "effective_batch_size", "time_to_target_s",
+        BATCH_KEYS + ACCUMULATION_KEYS, "effective batch size (samples per optimizer step)",
+        "training time to val_mse <= target (s)", "time_to_target_vs_batch.png",
+    )  # fmt: skip
 
 
 def throughput_section(jobs: list[Job], out: Path) -> Section:
@@ -228,6 +243,7 @@ def speedup_section(jobs: list[Job], out: Path) -> Section:
                 "samples_per_sec": job.metrics["samples_per_sec"],
                 "baseline_samples_per_sec": base.metrics["samples_per_sec"],
                 "speedup": job.metrics["samples_per_sec"] / base.metrics["samples_per_sec"],
+                **compute_share(job),
             }
         )
     if not rows:
@@ -270,6 +286,7 @@ def scaling_section(jobs: list[Job], out: Path) -> Section:
                 "single_device_samples_per_sec": single.metrics["samples_per_sec"],
                 "speedup": m["samples_per_sec"] / single.metrics["samples_per_sec"],
                 "efficiency_pct": 100 * m["samples_per_sec"] / (n * single.metrics["samples_per_sec"]),
+                **compute_share(job),
             }
         )
     if not rows:
@@ -324,7 +341,7 @@ def accumulation_section(jobs: list[Job], out: Path) -> Section:
 
 ACCUMULATION_COLUMNS = [
     "series", "accumulate_grad_batches", "global_batch_size", "effective_batch_size", "peak_memory_mb",
-    "samples_per_sec", "val_mse", "optimum_distance",
+    "samples_per_sec", "compute_ms", "step_time_ms", "val_mse", "optimum_distance", "time_to_target_s",
 ]  # fmt: skip
 
 
@@ -339,6 +356,7 @@ def build_sections(root: Path, out: Path) -> list[Section]:
         scaling_section(configurations, out),
         memory_section(configurations, out),
         accumulation_section(configurations, out),
+        time_to_target_section(configurations, out),
     ]
 
 

@@ -11,7 +11,7 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
@@ -20,10 +20,12 @@ from experiments.checkpoints import RunRecord, check_fits, load_checkpoint
 from experiments.checks import ConfigError, check_config, resolve_checkpoint
 from experiments.entry import CONFIG_DIR, entry_point  # noqa: F401 (CONFIG_DIR: tests compose with it)
 from experiments.failures import Interrupted, Interruption, end_with_parent, out_of_memory
+from experiments.log_steps import LogStepProgressBar
 from experiments.module import Regressor
 from experiments.perf import PerfMonitor, run_start_time
 from experiments.records import AtomicCheckpointIO, final_figures, run_record, write_metrics
 from experiments.strategies import check_strategy, ranks_join_this_job, this_rank
+from experiments.target import TimeToTarget
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
@@ -57,6 +59,7 @@ def fit(
     resumed = load_checkpoint(ckpt_path) if ckpt_path else None  # the checks of eval.py and predict.py
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     perf = PerfMonitor(global_batch_size=cfg.data.batch_size, started_at=started)
+    target = TimeToTarget(perf, **cfg.target)
     # Overwrite, not last-v1.ckpt: a run that resumes in its own dir goes on from its own last.ckpt.
     checkpoint = ModelCheckpoint(
         dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0, enable_version_counter=False
@@ -64,11 +67,9 @@ def fit(
     # Curves restart where the checkpoint does, when the run resumes in its own dir.
     logger_options = rundir.logger_options(cfg.logger, resumed.global_step if run.checkpoint else None)
     logger = instantiate(cfg.logger, save_dir=str(run_dir), **logger_options) if cfg.logger else False
-    callbacks = [perf, checkpoint, interruption]
+    callbacks = [target, perf, checkpoint, interruption]
     if cfg.trainer.enable_progress_bar:
-        # Lightning's default bar redraws on every step, which costs as much as a step of a small model:
-        # redraw when the logger writes.
-        callbacks.append(TQDMProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
+        callbacks.append(LogStepProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
     # The constructors check their settings (experiments.entry reports what they refuse): build them before
     # the data is made.
     trainer = instantiate(
@@ -113,13 +114,15 @@ def fit(
             train_loss = getattr(module, "last_loss", None)  # the last step's, logged or not
             # A failed run's weights may be unusable (diverged), and after running out of memory, measuring
             # them could run out again: its fit is left blank.
-            unmeasured = {"val_mse": None, "val_r2": None, "optimal_val_mse": data.optimal_val_mse}
+            unmeasured = {"val_mse": None, "val_mae": None, "val_r2": None, "optimal_val_mse": data.optimal_val_mse}
             metrics = {
                 **run_record(trainer, status, cfg.data.batch_size),
                 **(final_figures(module.net, data) if status != "failed" else unmeasured),
                 "train_loss": None if train_loss is None else train_loss.item(),
                 **perf.summary,
+                **target.summary,
                 "data_device": str(data.x_train.device),
+                "data_pinned": data.pins_batches,
                 "wall_time_s": time.time() - started,
             }
             if trainer.is_global_zero:

@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# bash scripts/gpu_check.sh      (on a machine with a CUDA GPU; about 8 minutes on one; writes docs/gpu.md)
+# Everything that needs a GPU: the tests with CUDA skips, the benchmark's GPU rows (host pageable, host pinned
+# and device-resident data) and the study's GPU claims (transfer, batch). Needs .wheels/ from
+# scripts/gpu_wheels.sh when the machine has no package index (Hydra and its launchers are installed from it).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+  echo "error: no CUDA GPU is visible to PyTorch here; scripts/gpu_check.sh runs only where one is" >&2
+  exit 1
+fi
+if ! python3 -c "import hydra, omegaconf, hydra_plugins.hydra_joblib_launcher, hydra_plugins.hydra_submitit_launcher" 2>/dev/null; then
+  python3 -m pip install --quiet --no-index --no-deps --find-links .wheels .wheels/*.whl || {
+    echo "error: Hydra is missing and .wheels/ could not supply it; run scripts/gpu_wheels.sh where pip can" >&2
+    exit 1
+  }
+fi
+python3 -m pip install --quiet --no-deps --no-build-isolation -e . || exit 1
+
+OUT=docs/gpu.md
+LOG=$(mktemp -d)
+status=0
+run() {  # run NAME SECONDS COMMAND...: its output into $LOG/NAME, its exit status kept
+  local name=$1 seconds=$2
+  shift 2
+  echo "== $name: $*" >&2
+  timeout "$seconds" "$@" >"$LOG/$name" 2>&1
+  local rc=$?
+  echo "$rc" >"$LOG/$name.rc"
+  [ "$rc" -eq 0 ] || status=1
+}
+CUDA_TESTS=$(grep -l "needs_cuda\|cuda.is_available" tests/test_*.py | tr '\n' ' ')
+run tests 240 python3 -m pytest -q -rs $CUDA_TESTS -k "cuda or gpu or pinned or pageable or dp or memory or precision"
+run benchmark 180 python3 scripts/benchmark.py --gpu-sweep --batch-sizes 64,1024,16384
+run study 120 python3 scripts/study.py --only transfer --only batch --out docs/study_gpu.md
+
+{
+  echo "# GPU check"
+  echo
+  echo "Written by \`bash scripts/gpu_check.sh\` on $(date -u '+%Y-%m-%d %H:%M UTC') (do not edit by hand)."
+  echo
+  echo "## Machine"
+  echo
+  echo '```'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+  python3 -c "import torch, lightning, platform; print('python', platform.python_version(), '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| lightning', lightning.__version__)"
+  echo '```'
+  for name in tests benchmark study; do
+    echo
+    echo "## $name (exit $(cat "$LOG/$name.rc"))"
+    echo
+    echo '```'
+    tail -n 60 "$LOG/$name"
+    echo '```'
+  done
+  echo
+  echo "The study's GPU sections: [study_gpu.md](study_gpu.md)."
+} >"$OUT"
+echo "$OUT"
+exit $status

@@ -1,0 +1,63 @@
+"""Time to quality: how long a run takes to come within `target.mse_ratio` of the exact optimum's validation MSE.
+
+Samples per second is not what "faster training" means to a user; time to a given quality is (the measure of
+MLPerf Training and DAWNBench), and this project knows the optimum of every run. The resolution is one
+validation: every epoch by default, or `trainer.val_check_interval`.
+"""
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+from experiments.checks import ConfigError
+from experiments.perf import PerfMonitor
+
+
+class TimeToTarget(Callback):
+    """The first validation with val/mse <= mse_ratio x optimal_val_mse; with `stop`, the run ends there.
+
+    Its training time comes from PerfMonitor's clock (validation left out); steps, samples and epochs count
+    the whole run, a resumed one included (its time counts from the resume). Put it before PerfMonitor in the
+    callbacks, so that a wait for the optimum's solve at the first validation counts as validation.
+    """
+
+    def __init__(self, perf: PerfMonitor, mse_ratio: float = 1.02, stop: bool = False):
+        if isinstance(mse_ratio, bool) or not isinstance(mse_ratio, int | float) or not mse_ratio >= 1:
+            raise ConfigError(f"target.mse_ratio={mse_ratio}: allowed: a number >= 1 (1.01: within 1% of the optimum)")
+        if not isinstance(stop, bool):
+            raise ConfigError(f"target.stop={stop}: allowed: true, false")
+        self.perf, self.mse_ratio, self.stop = perf, mse_ratio, stop
+        self.summary = {
+            "target_mse": None,
+            "time_to_target_s": None,
+            "steps_to_target": None,
+            "samples_to_target": None,
+            "epochs_to_target": None,
+            "stopped_at_target": False,
+        }
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        if stage == "fit" and hasattr(trainer.datamodule, "solve_optimum_in_background"):
+            trainer.datamodule.solve_optimum_in_background()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if trainer.sanity_checking or self.summary["steps_to_target"] is not None:
+            return
+        data = trainer.datamodule
+        self.summary["target_mse"] = target = self.mse_ratio * data.optimal_val_mse
+        mse = trainer.callback_metrics.get("val/mse")
+        reached = mse is not None and mse.item() <= target
+        # Every rank holds the same synced val/mse and optimum; agree all the same, since a stop that one rank
+        # alone took would leave the others waiting in their next collective.
+        reached = trainer.strategy.reduce_boolean_decision(reached, all=True)
+        if not reached:
+            return
+        micro_steps = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        self.summary |= {
+            "time_to_target_s": self.perf.training_seconds(),
+            "steps_to_target": trainer.global_step,
+            "samples_to_target": micro_steps * data.batch_size,
+            "epochs_to_target": micro_steps / trainer.num_training_batches,
+        }
+        if self.stop:
+            trainer.should_stop = True
+            self.summary["stopped_at_target"] = True
