@@ -18,6 +18,27 @@ RUNTIME_ARGS = {
     "lightning.pytorch.loggers.CSVLogger": {"save_dir": "."},
 }
 PARTIAL_ARGS = {"torch.optim.SGD": {"params": []}}
+# Constructors taking **kwargs, and where their documentation says those go: a typo there must fail too.
+KWARGS_GO_TO = {
+    "lightning.pytorch.strategies.DDPStrategy": ("torch.nn.parallel.DistributedDataParallel", {"module": None}),
+    "lightning.pytorch.loggers.TensorBoardLogger": ("torch.utils.tensorboard.SummaryWriter", {}),
+}
+
+
+def bind(target: str, kwargs: dict) -> None:
+    """Raise TypeError when `kwargs` do not bind to `target`, or to where its **kwargs are passed on."""
+    signature = inspect.signature(get_object(target) if "." in target else get_method(target))
+    params = signature.parameters
+    if not any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        signature.bind(**kwargs)
+        return
+    named = {k: v for k, v in kwargs.items() if k in params}
+    signature.bind(**named)
+    rest = {k: v for k, v in kwargs.items() if k not in params}
+    if target not in KWARGS_GO_TO:
+        raise TypeError(f"{target} takes **kwargs: say in KWARGS_GO_TO where they go")
+    destination, required = KWARGS_GO_TO[target]
+    inspect.signature(get_object(destination)).bind(**required, **rest)
 
 
 def _target_nodes(node, path=""):
@@ -49,18 +70,28 @@ def test_every_target_binds_to_its_constructor(override):
         kwargs = {k: v for k, v in OmegaConf.to_container(node, resolve=True).items() if not k.startswith("_")}
         target = node._target_
         kwargs |= RUNTIME_ARGS.get(target, {}) | PARTIAL_ARGS.get(target, {})
-        obj = get_object(target) if "." in target else get_method(target)
         try:
-            inspect.signature(obj).bind(**kwargs)
+            bind(target, kwargs)
         except TypeError as err:
             pytest.fail(f"{path} ({target}) does not bind: {err}")
 
 
-def test_binding_check_catches_a_typo():
-    cfg = compose_config("+optimizer.momentun=0.9")
-    kwargs = {k: v for k, v in OmegaConf.to_container(cfg.optimizer).items() if not k.startswith("_")}
+@pytest.mark.parametrize(
+    ("override", "node"),
+    [
+        ("+optimizer.momentun=0.9", "optimizer"),
+        ("+trainer.strategy.find_unused_parameter=true", "trainer.strategy"),  # DDPStrategy(**kwargs): DDP's
+        ("+logger.flush_sec=10", "logger"),  # TensorBoardLogger(**kwargs): SummaryWriter's flush_secs
+    ],
+)
+def test_binding_check_catches_a_typo(override, node):
+    extra = ["strategy=ddp"] if node == "trainer.strategy" else []
+    cfg = OmegaConf.select(compose_config(*extra, override), node)
+    kwargs = {k: v for k, v in OmegaConf.to_container(cfg).items() if not k.startswith("_")}
+    kwargs |= RUNTIME_ARGS.get(cfg._target_, {}) | PARTIAL_ARGS.get(cfg._target_, {})
     with pytest.raises(TypeError):
-        inspect.signature(get_object(cfg.optimizer._target_)).bind(params=[], **kwargs)
+        bind(cfg._target_, kwargs)
+    bind(cfg._target_, {k: v for k, v in kwargs.items() if k != override.split("=")[0].rsplit(".", 1)[-1]})
 
 
 def test_default_config_composes_with_the_documented_groups():

@@ -1,13 +1,16 @@
 """The README's promises at the command line: one `error:` line and exit 2 for bad input of every group,
 signals at every moment of a run, and timings measured against the test's own clock."""
 
+import csv
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
-from conftest import TINY, cli, compose_config
+from conftest import ROOT, TINY, cli, compose_config
 
 from experiments.data import SyntheticRegression
 from experiments.failures import Interrupted
@@ -117,3 +120,22 @@ def test_each_sweep_job_times_only_itself(tmp_path):
     # One process runs the three jobs one after another: their own times add up to at most the whole.
     assert sum(job["wall_time_s"] for job in jobs) <= waited
     assert jobs[0]["startup_s"] > max(job["startup_s"] for job in jobs[1:])  # only the first waited for imports
+
+
+def test_an_interrupted_sweep_job_is_a_row_and_the_sweep_stops(tmp_path):
+    long_job = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=2", "logger=csv"]
+    command = [sys.executable, "train.py", "-m", *TINY, *long_job, "seed=0,1", f"hydra.sweep.dir={tmp_path}"]
+    process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (tmp_path / "0" / "csv" / "metrics.csv").exists():  # job 0 is training
+            assert process.poll() is None and time.monotonic() < deadline
+            time.sleep(0.05)
+        process.send_signal(signal.SIGTERM)
+        _, stderr = process.communicate(timeout=60)
+    finally:
+        process.kill()
+    assert process.returncode == 143, stderr[-2000:]
+    rows = list(csv.DictReader((tmp_path / "results.csv").open()))
+    assert [(row["job"], row["status"]) for row in rows] == [("0", "interrupted")]
+    assert not (tmp_path / "1").exists()  # the sweep stopped

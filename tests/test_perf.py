@@ -23,15 +23,12 @@ def test_metrics_json_perf_figures_are_positive_and_consistent(tiny_run):
     metrics, _ = tiny_run
     assert all(metrics[k] > 0 for k in ["samples_per_sec", "step_time_ms", "peak_memory_mb", "startup_s"])
     assert metrics["transfer_ms"] == 0  # CPU: the batches are where the model is
-    assert metrics["samples_per_sec"] == pytest.approx(metrics["global_batch_size"] / (metrics["step_time_ms"] / 1e3))
-    # Start-up ends at the first step, which came before now.
+    # Every step took at least the steady-state step time: all of them fit in the run's wall time.
+    assert metrics["global_step"] * metrics["step_time_ms"] / 1e3 < metrics["wall_time_s"]
+    assert metrics["global_step"] * metrics["global_batch_size"] / metrics["samples_per_sec"] < metrics["wall_time_s"]
+    # Start-up ends at the first step, which came before now (against an outside clock: tests/test_entry.py).
     assert metrics["startup_s"] < time.time() - process_start_time()
     assert metrics["data_device"] == "cpu"
-
-
-def test_process_start_time_is_before_now():
-    started = process_start_time()
-    assert started is not None and 0 < time.time() - started < 24 * 3600
 
 
 def test_tensorboard_has_one_perf_point_per_log_interval(tiny_run):
@@ -53,10 +50,14 @@ def test_train_loss_is_logged_only_at_log_steps(run_in_process):
     assert metrics["train_loss"] > 0  # the last step's loss, logged or not
 
 
-def test_bf16_mixed_trains_on_cpu(run_in_process):
-    metrics, _ = run_in_process("trainer.precision=bf16-mixed", "logger=none", "trainer.max_epochs=4")
+def test_bf16_mixed_trains_on_cpu(run_in_process, tmp_path):
+    common = ["logger=none", "trainer.max_epochs=4"]
+    metrics, _ = run_in_process("trainer.precision=bf16-mixed", *common)
+    full, _ = run_in_process(*common, run_dir=tmp_path / "fp32")
     assert metrics["status"] == "completed" and metrics["precision"] == "bf16-mixed"
-    assert metrics["val_r2"] > 0.5  # it learned: half the variance explained after 32 steps
+    # As good a fit as fp32's (within 5%; measured: 0.2%), yet not fp32's numbers: bf16 was in effect.
+    assert metrics["val_mse"] == pytest.approx(full["val_mse"], rel=0.05)
+    assert metrics["val_mse"] != full["val_mse"]
 
 
 def test_a_lightning_profiler_can_replace_the_default(run_in_process):

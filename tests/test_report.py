@@ -9,7 +9,9 @@ import sys
 import matplotlib.image
 import pytest
 from conftest import ROOT, cli
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from experiments import reports
 from experiments.reports import fmt, markdown_table, median_of_repeats
 from experiments.sweeps import Job, find_jobs
 
@@ -116,3 +118,27 @@ def test_repeats_differing_only_in_seed_become_their_median(tmp_path):
         (3, 700.0, 1),
     ]
     assert merged[0].metrics["step_time_ms"] == pytest.approx(1e3 * 64 / 400.0)
+
+
+def test_plots_show_the_runs_numbers(sweep, tmp_path, monkeypatch):
+    # The data behind each plot, read from the figure as it is saved: each loss curve is its job's
+    # train/loss as TensorBoard's reader gives it; each throughput point a job's metrics.json.
+    plotted = {}
+    real_save = reports.save
+
+    def save(fig, path):
+        plotted[path.name] = [line.get_xydata().tolist() for ax in fig.axes for line in ax.lines]
+        return real_save(fig, path)
+
+    monkeypatch.setattr(reports, "save", save)
+    reports.build_sections(sweep, tmp_path)
+    jobs = range(4)
+    logged = []
+    for num in jobs:
+        (run,) = {f.parent for f in (sweep / str(num) / "tensorboard").glob("**/events.out.tfevents.*")}
+        events = EventAccumulator(str(run)).Reload()
+        logged.append([[p.step, p.value] for p in events.Scalars("train/loss")])
+    assert sorted(plotted["loss_curves.png"]) == sorted(logged)  # the same floats, read back
+    metrics = [json.loads((sweep / str(num) / "metrics.json").read_text()) for num in jobs]
+    points = sorted(p for line in plotted["throughput_vs_batch.png"] for p in line)
+    assert points == sorted([m["global_batch_size"], m["samples_per_sec"]] for m in metrics)

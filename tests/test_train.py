@@ -1,15 +1,27 @@
 import csv
 import json
+import os
+import re
+import signal
 
 import pytest
 import torch
+from conftest import ROOT, compose_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-METRICS_KEYS = {
-    "status", "val_mse", "val_r2", "optimal_val_mse", "train_loss", "samples_per_sec", "step_time_ms",
-    "peak_memory_mb", "accelerator", "strategy", "devices", "num_nodes", "world_size", "global_batch_size",
-    "effective_batch_size", "global_step", "epochs", "wall_time_s",
-}  # fmt: skip
+from experiments.failures import Interrupted, RunFailed
+from experiments.module import Regressor
+from experiments.train import train
+
+
+def readme_metrics_keys() -> set[str]:
+    """Every key that the README's Outputs section says metrics.json holds."""
+    readme = (ROOT / "README.md").read_text()
+    paragraph = readme.split("`metrics.json` holds", 1)[1].split("\n## ", 1)[0]
+    return set(re.findall(r"`([a-z][a-z0-9_]*)`", paragraph))
+
+
+METRICS_KEYS = readme_metrics_keys()
 TAGS = {
     "train/loss", "val/loss", "val/mse", "val/mae", "val/r2",
     "perf/samples_per_sec", "perf/step_time_ms", "perf/transfer_ms", "perf/peak_memory_mb",
@@ -19,6 +31,10 @@ TAGS = {
 # SGD lr 0.05). Recorded from this code; a change that alters the maths (data, order, init, loss,
 # optimizer) changes them.
 PINNED_LOSSES = [4.030202, 3.839142, 3.281759, 2.498386, 2.749173, 1.504164, 1.070565, 0.864265]
+
+
+def test_the_readme_lists_the_keys():
+    assert {"status", "val_mse", "samples_per_sec", "startup_s", "wall_time_s", "data_device"} <= METRICS_KEYS
 
 
 def test_metrics_json_has_every_key(tiny_run):
@@ -78,3 +94,23 @@ def test_seed_experiments_run(run_in_process, experiment):
     assert metrics["status"] == "completed"
     assert metrics["global_step"] == 100  # 100 full-batch epochs
     assert metrics["global_batch_size"] == metrics["effective_batch_size"]
+
+
+def test_failed_and_interrupted_runs_have_every_key_too(tmp_path, monkeypatch):
+    with pytest.raises(RunFailed):
+        train(compose_config("optimizer.lr=10000", "logger=none"), tmp_path / "failed")
+    calls = []
+
+    def sigterm_at_step_3(self, *args):
+        calls.append(1)
+        if len(calls) == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    monkeypatch.setattr(Regressor, "on_train_batch_start", sigterm_at_step_3)
+    with pytest.raises(Interrupted):
+        train(compose_config("logger=none"), tmp_path / "interrupted")
+    for status in ("failed", "interrupted"):
+        on_disk = json.loads((tmp_path / status / "metrics.json").read_text())
+        assert on_disk["status"] == status
+        assert METRICS_KEYS - on_disk.keys() == set(), status
+    assert json.loads((tmp_path / "interrupted" / "metrics.json").read_text())["step_time_ms"] > 0

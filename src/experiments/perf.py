@@ -259,6 +259,11 @@ class PerfMonitor(Callback):
             self.paused_transfer += self._transfer_seconds() - self.validation_start[1]
             self.validation_start = None
 
+    def on_exception(self, trainer: L.Trainer, pl_module: L.LightningModule, exception: BaseException) -> None:
+        # A failed or interrupted run reports its speed up to where it stopped, under the same keys.
+        if self.steps is not None and not self.summary:
+            self.on_train_end(trainer, pl_module)
+
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         # Too short a run for a steady state: fall back to the whole run.
         self.summary = self._figures(self.steady_start or self.fit_start, self._mark(pl_module), pl_module)

@@ -114,7 +114,8 @@ def fit(
             train_loss = getattr(module, "last_loss", None)  # the last step's, logged or not
             # A failed run's weights may be unusable (diverged), and after running out of memory, measuring
             # them could run out again: its fit is left blank.
-            unmeasured = {"val_mse": None, "val_mae": None, "val_r2": None, "optimal_val_mse": data.optimal_val_mse}
+            unmeasured = {"val_mse": None, "val_mae": None, "val_r2": None, "optimum_distance": None}
+            unmeasured["optimal_val_mse"] = data.optimal_val_mse
             metrics = {
                 **run_record(trainer, status, cfg.data.batch_size),
                 **(final_figures(module.net, data) if status != "failed" else unmeasured),
