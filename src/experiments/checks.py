@@ -83,6 +83,11 @@ def check_config(cfg: DictConfig) -> None:
         if value is not _ABSENT and not test(value):
             raise ConfigError(f"{key}={value} is not allowed; allowed: {allowed}")
     _check_accelerator(cfg.trainer.accelerator)
+    if cfg.get("scheduler") and cfg.trainer.max_epochs == -1 and cfg.trainer.max_steps == -1:
+        raise ConfigError(
+            "trainer.max_epochs=-1 with trainer.max_steps=-1: a scheduler needs the run's length; "
+            "allowed: a max_epochs or a max_steps other than -1 (or scheduler=none)"
+        )
     _check_strategy(cfg.trainer.get("strategy", "auto"))
     ckpt_path = cfg.get("ckpt_path")
     if ckpt_path not in (None, "last") and not Path(ckpt_path).is_file():

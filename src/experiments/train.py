@@ -15,10 +15,11 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+from lightning.pytorch.callbacks import TQDMProgressBar
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
+from experiments.callbacks import configured_callbacks, early_stop_record
 from experiments.checks import ConfigError, check_config, resolve_checkpoint
 from experiments.failures import (
     EXIT_BAD_INPUT,
@@ -33,10 +34,12 @@ from experiments.module import Regressor
 from experiments.perf import PerfMonitor
 from experiments.records import AtomicCheckpointIO, final_figures, run_record, write_metrics
 from experiments.strategies import check_strategy, ranks_join_this_job
+from experiments.summary import print_summary, quiet_lightning
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     started = time.perf_counter()
+    quiet_lightning()
     check_config(cfg)
     check_strategy(cfg)
     if "LOCAL_RANK" in os.environ:  # started by a launcher, not by the user
@@ -52,14 +55,15 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             "allowed: null (follow the data) or the data's feature count"
         )
     net = instantiate(cfg.model, in_features=in_features)
-    module = Regressor(net, instantiate(cfg.optimizer), data.feature_mean, data.feature_std)
+    module = Regressor(
+        net, instantiate(cfg.optimizer), data.feature_mean, data.feature_std, scheduler=instantiate(cfg.scheduler)
+    )
 
     perf = PerfMonitor(global_batch_size=cfg.data.batch_size)
-    checkpoint = ModelCheckpoint(dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0)
     # A signal saves the exact position over last.ckpt, so that `ckpt_path=last` resumes from it.
     interruption = Interruption(str(run_dir / "checkpoints" / "last.ckpt"))
     logger = instantiate(cfg.logger, save_dir=str(run_dir)) if cfg.logger else False
-    callbacks = [perf, checkpoint, interruption]
+    callbacks = [perf, interruption, *configured_callbacks(cfg, run_dir)]
     if cfg.trainer.enable_progress_bar:
         # Lightning's default bar redraws on every step, which costs as much as a step of a small model:
         # redraw when the logger writes.
@@ -88,12 +92,14 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             **(final_figures(module.net, data) if status != "failed" else unmeasured),
             "train_loss": None if train_loss is None else train_loss.item(),
             **perf.summary,
+            **early_stop_record(trainer),
             "data_device": str(data.x_train.device),
             "wall_time_s": time.perf_counter() - started,
         }
         if trainer.is_global_zero:
             write_metrics(run_dir / "metrics.json", metrics)
             log_hparams(trainer, cfg, metrics)
+            print_summary(metrics, run_dir)
     return metrics
 
 
@@ -109,7 +115,7 @@ def log_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: dict) -> None:
         logger.finalize(metrics["status"])
 
 
-def run_sweep_job(cfg: DictConfig) -> None:
+def run_sweep_job(cfg: DictConfig) -> dict:
     """One job of a multirun. It raises, never exits: Hydra records a job that raises as failed and runs the
     others (a SystemExit would end the whole sweep), then re-raises the first failure, so the sweep exits 1."""
     hydra_cfg = HydraConfig.get()
@@ -120,6 +126,7 @@ def run_sweep_job(cfg: DictConfig) -> None:
     metrics = train(cfg, Path(hydra_cfg.runtime.output_dir))
     if metrics["status"] != "completed":
         raise RuntimeError(f"the run ended {metrics['status']} (see its metrics.json)")
+    return metrics
 
 
 # conf/ sits at the repository root, beside train.py (the project is installed editable).
@@ -127,15 +134,15 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
 
 
 @hydra.main(version_base="1.3", config_path=CONFIG_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float:
     # Exit codes (experiments.failures, README "Failures and resuming"): 0 completed, 1 failed, 2 bad input,
     # 128 + the signal's number when interrupted.
     multirun = HydraConfig.get().mode == RunMode.MULTIRUN
     try:
         if multirun:
-            run_sweep_job(cfg)
+            metrics = run_sweep_job(cfg)
         else:
-            train(cfg, Path(HydraConfig.get().runtime.output_dir))
+            metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     except Interrupted as stop:  # a sweep stops too: the user or the scheduler asked for it
         print(stop, file=sys.stderr)
         sys.exit(stop.exit_code)
@@ -146,3 +153,4 @@ def main(cfg: DictConfig) -> None:
             raise  # Hydra records the job as failed and runs the others
         print(f"error: {err}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT if isinstance(err, ConfigError) else EXIT_FAILED)
+    return metrics["val_mse"]  # the objective that a search minimizes (hparams_search=optuna)
