@@ -17,7 +17,14 @@ RUNTIME_ARGS = {
     "lightning.pytorch.loggers.TensorBoardLogger": {"save_dir": "."},
     "lightning.pytorch.loggers.CSVLogger": {"save_dir": "."},
 }
-PARTIAL_ARGS = {"torch.optim.SGD": {"params": []}}
+PARTIAL_ARGS = {
+    "torch.optim.SGD": {"params": []},
+    "torch.optim.Adam": {"params": []},
+    # The module passes the optimizer, and the run's length where a schedule needs it.
+    "torch.optim.lr_scheduler.CosineAnnealingLR": {"optimizer": None, "T_max": 1},
+    "torch.optim.lr_scheduler.StepLR": {"optimizer": None},
+    "torch.optim.lr_scheduler.OneCycleLR": {"optimizer": None, "total_steps": 1},
+}
 # Constructors taking **kwargs, and where their documentation says those go: a typo there must fail too.
 KWARGS_GO_TO = {
     "lightning.pytorch.strategies.DDPStrategy": ("torch.nn.parallel.DistributedDataParallel", {"module": None}),
@@ -58,6 +65,8 @@ COMBINATIONS = (
     + [f"logger={o}" for o in _options("logger")]
     + [f"experiment={o}" for o in _options("experiment")]
     + [f"strategy={o}" for o in _options("strategy")]
+    + [f"{group}={o}" for group in ("optimizer", "scheduler", "callbacks") for o in _options(group)]
+    + [f"debug={o}" for o in _options("debug") if o != "profiler"]  # its dirpath is Hydra's run dir: test_menu
 )
 
 

@@ -93,6 +93,11 @@ def check_config(cfg: DictConfig) -> None:
             raise ConfigError(f"{key}={value} is not allowed; allowed: {allowed}")
     _check_accelerator(cfg.trainer.accelerator)
     _check_every_device(cfg.trainer)
+    if cfg.get("scheduler") and cfg.trainer.max_epochs == -1 and cfg.trainer.max_steps == -1:
+        raise ConfigError(
+            "trainer.max_epochs=-1 with trainer.max_steps=-1: a scheduler needs the run's length; "
+            "allowed: a max_epochs or a max_steps other than -1 (or scheduler=none)"
+        )
     _check_strategy(cfg.trainer.get("strategy", "auto"))
     _check_synthetic_shapes(cfg)
 

@@ -316,7 +316,10 @@ class RegressionData(L.LightningDataModule):
 
     def train_dataloader(self) -> BatchLoader:
         self._place_on_device()
-        return self._loader(self.x_train, self.y_train, shuffle=True)
+        # trainer.overfit_batches: the same first batches every epoch. Lightning turns shuffling off only in a
+        # DataLoader (it warns that it does so for this loader too: here it is done).
+        overfit = bool(self.trainer and self.trainer.overfit_batches)
+        return self._loader(self.x_train, self.y_train, shuffle=not overfit)
 
     def val_dataloader(self) -> BatchLoader:
         self._place_on_device()

@@ -1,5 +1,6 @@
 """The LightningModule: it composes a plain model and owns the loss, the optimizer and the metrics."""
 
+import inspect
 from collections.abc import Callable
 
 import lightning as L
@@ -13,7 +14,8 @@ from experiments.perf import ComputeClock
 
 
 class Regressor(L.LightningModule):
-    """MSE regression of any `nn.Module`, trained with the optimizer that `optimizer(params)` builds.
+    """MSE regression of any `nn.Module`, trained with the optimizer that `optimizer(params)` builds, its lr
+    set by `scheduler(optimizer, ...)` when there is one (conf/scheduler/), stepped after every optimizer step.
 
     `feature_mean` and `feature_std` are the training split's statistics: the model sees standardized
     inputs, and they travel in the checkpoint so that `predict_raw` works on raw inputs. A module that only
@@ -26,10 +28,12 @@ class Regressor(L.LightningModule):
         optimizer: Callable[..., torch.optim.Optimizer] | None,
         feature_mean: torch.Tensor,
         feature_std: torch.Tensor,
+        scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
     ):
         super().__init__()
         self.net = net
         self.make_optimizer = optimizer
+        self.make_scheduler = scheduler
         self.register_buffer("feature_mean", feature_mean.clone())
         self.register_buffer("feature_std", feature_std.clone())
         self.compute_clock = ComputeClock()  # forward, backward and update, read by PerfMonitor (compute_ms)
@@ -94,5 +98,30 @@ class Regressor(L.LightningModule):
         self.val_metrics.reset()
         self.log_dict({**metrics, "val/loss": metrics["val/mse"]}, sync_dist=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return self.make_optimizer(self.parameters())
+    def configure_optimizers(self):
+        optimizer = self.make_optimizer(self.parameters())
+        if self.make_scheduler is None:
+            return optimizer
+        # Lightning saves the scheduler's state in every checkpoint and restores it on resume; "step" steps it
+        # after each optimizer step (not micro-step); the name is LearningRateMonitor's tag.
+        scheduler = self.make_scheduler(optimizer, **self._run_length(self.make_scheduler))
+        return {
+            "optimizer": optimizer,
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"},
+        }
+
+    def _run_length(self, make_scheduler) -> dict[str, int]:
+        """The run's optimizer steps for the arguments that a schedule over the whole run needs (cosine's T_max,
+        one-cycle's total_steps), unless the config sets them. Only the trainer knows the number: it counts
+        max_epochs or max_steps, limit_train_batches, accumulation and the devices."""
+        wanted = {"T_max", "total_steps"} & inspect.signature(make_scheduler).parameters.keys()
+        wanted -= getattr(make_scheduler, "keywords", {}).keys()
+        if not wanted:
+            return {}
+        # Finite: checks.check_config refuses a scheduler on a run bounded by neither max_epochs nor max_steps.
+        steps = int(self.trainer.estimated_stepping_batches)
+        # Counting the steps builds the training loader before a resumed run's checkpoint is restored, and
+        # Lightning 2.6 hands the saved loader position (mid-epoch) only to a loader it builds after the restore
+        # (`_FitLoop.setup_data` skips a built one): drop this one so that the loop builds it again, restored.
+        self.trainer.fit_loop._combined_loader = None
+        return dict.fromkeys(wanted, steps)

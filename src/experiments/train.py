@@ -11,11 +11,11 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import TensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import rundir, slurm
+from experiments.callbacks import configured_callbacks, early_stop_record
 from experiments.checkpoints import RunRecord, check_fits, load_checkpoint
 from experiments.checks import ConfigError, check_config, resolve_checkpoint
 from experiments.entry import CONFIG_DIR, entry_point  # noqa: F401 (CONFIG_DIR: tests compose with it)
@@ -25,11 +25,13 @@ from experiments.module import Regressor
 from experiments.perf import PerfMonitor, run_start_time
 from experiments.records import AtomicCheckpointIO, final_figures, run_record, write_metrics
 from experiments.strategies import check_strategy, ranks_join_this_job, this_rank
+from experiments.summary import print_summary, quiet_lightning
 from experiments.target import TimeToTarget
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     started = run_start_time()
+    quiet_lightning()
     check_config(cfg)
     check_strategy(cfg)
     rank = this_rank()
@@ -60,14 +62,10 @@ def fit(
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     perf = PerfMonitor(global_batch_size=cfg.data.batch_size, started_at=started)
     target = TimeToTarget(perf, **cfg.target)
-    # Overwrite, not last-v1.ckpt: a run that resumes in its own dir goes on from its own last.ckpt.
-    checkpoint = ModelCheckpoint(
-        dirpath=run_dir / "checkpoints", save_last=True, save_top_k=0, enable_version_counter=False
-    )
     # Curves restart where the checkpoint does, when the run resumes in its own dir.
     logger_options = rundir.logger_options(cfg.logger, resumed.global_step if run.checkpoint else None)
     logger = instantiate(cfg.logger, save_dir=str(run_dir), **logger_options) if cfg.logger else False
-    callbacks = [target, perf, checkpoint, interruption]
+    callbacks = [target, perf, interruption, *configured_callbacks(cfg, run_dir)]
     if cfg.trainer.enable_progress_bar:
         callbacks.append(LogStepProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
     # The constructors check their settings (experiments.entry reports what they refuse): build them before
@@ -92,7 +90,9 @@ def fit(
     # The checkpoint carries the run's config and column names, for eval.py and predict.py.
     trainer.callbacks.append(RunRecord(cfg, data.feature_names, data.target_name))
     net = instantiate(cfg.model, in_features=in_features)
-    module = Regressor(net, instantiate(cfg.optimizer), data.feature_mean, data.feature_std)
+    module = Regressor(
+        net, instantiate(cfg.optimizer), data.feature_mean, data.feature_std, scheduler=instantiate(cfg.scheduler)
+    )
 
     if writer:
         rundir.claim(run, cfg)
@@ -122,6 +122,7 @@ def fit(
                 "train_loss": None if train_loss is None else train_loss.item(),
                 **perf.summary,
                 **target.summary,
+                **early_stop_record(trainer),
                 "data_device": str(data.x_train.device),
                 "data_pinned": data.pins_batches,
                 "wall_time_s": time.time() - started,
@@ -129,6 +130,7 @@ def fit(
             if trainer.is_global_zero:
                 write_metrics(run_dir / "metrics.json", metrics)
                 log_hparams(trainer, cfg, metrics)
+                print_summary(metrics, run_dir)
     return metrics
 
 
@@ -145,7 +147,7 @@ def log_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: dict) -> None:
         logger.finalize(metrics["status"])
 
 
-def run_sweep_job(cfg: DictConfig) -> None:
+def run_sweep_job(cfg: DictConfig) -> dict:
     """One job of a multirun. It raises, never exits: Hydra records a job that raises as failed and runs the
     others (a SystemExit would end the whole sweep), then re-raises the first failure, so the sweep exits 1."""
     hydra_cfg = HydraConfig.get()
@@ -156,13 +158,15 @@ def run_sweep_job(cfg: DictConfig) -> None:
     metrics = train(cfg, Path(hydra_cfg.runtime.output_dir))
     if metrics["status"] != "completed":
         raise RuntimeError(f"the run ended {metrics['status']} (see its metrics.json)")
+    return metrics
 
 
 @entry_point("config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> float:
     # Exit codes (experiments.failures, README "Failures and resuming"): 0 completed, 1 failed, 2 bad input,
     # 128 + the signal's number when interrupted; experiments.entry turns errors and signals into them.
     if HydraConfig.get().mode == RunMode.MULTIRUN:
-        run_sweep_job(cfg)
+        metrics = run_sweep_job(cfg)
     else:
-        train(cfg, Path(HydraConfig.get().runtime.output_dir))
+        metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    return metrics["val_mse"]  # the objective that a search minimizes (hparams_search=optuna)

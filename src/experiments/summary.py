@@ -1,0 +1,61 @@
+"""What a run prints: a short block at its end, and none of Lightning's start-up chatter that helps nobody."""
+
+import logging
+import re
+import warnings
+from pathlib import Path
+
+# Lightning's rank_zero_info lines that tell the user nothing about this run: advertising tips ("💡 Tip: ...
+# litlogger", "... litmodels") and the TPU line on machines without one. "GPU available: ..., used: ..." stays:
+# it says which accelerator was used.
+CHATTER = re.compile(r"💡 Tip: |TPU available: False")
+
+
+class _DropChatter(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not CHATTER.match(record.getMessage())
+
+
+# Deprecation warnings that Lightning's own code triggers in torch: the user can do nothing about them.
+LIGHTNING_DEPRECATIONS = [
+    (r"`isinstance\(treespec, LeafSpec\)` is deprecated", r"lightning\.pytorch\.utilities\._pytree"),
+]
+
+
+def quiet_lightning() -> None:
+    """Silence exactly those messages; every other log line and warning still shows."""
+    logger = logging.getLogger("lightning.pytorch.utilities.rank_zero")
+    if not any(isinstance(f, _DropChatter) for f in logger.filters):
+        logger.addFilter(_DropChatter())
+    for message, module in LIGHTNING_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
+
+
+def _figure(value, spec: str, unit: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{unit}"
+
+
+def summary_lines(metrics: dict, run_dir: Path) -> list[str]:
+    val_mse, optimum = metrics.get("val_mse"), metrics.get("optimal_val_mse")
+    if val_mse is None:
+        fit = "not measured (the run did not complete)"
+    elif optimum:
+        fit = f"{val_mse:.6g} = {val_mse / optimum:.4f} x the optimum {optimum:.6g}"
+    else:
+        fit = f"{val_mse:.6g}"
+    status = metrics["status"]
+    if metrics.get("stop_reason"):
+        status += f", stopped early at epoch {metrics['stopped_epoch']}: {metrics['stop_message']}"
+    return [
+        f"status      {status}",
+        f"val_mse     {fit}",
+        f"speed       {_figure(metrics.get('samples_per_sec'), ',.0f')} samples/s, "
+        f"{_figure(metrics.get('step_time_ms'), '.3f', ' ms')} a step, "
+        f"peak memory {_figure(metrics.get('peak_memory_mb'), ',.0f', ' MB')}",
+        f"run dir     {run_dir}",
+    ]
+
+
+def print_summary(metrics: dict, run_dir: Path) -> None:
+    """The last lines a run prints (rank 0 only: the caller checks)."""
+    print("\n".join(["", *summary_lines(metrics, run_dir)]), flush=True)
