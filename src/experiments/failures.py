@@ -121,22 +121,23 @@ class Interruption(Callback):
         batches = batch_idx + 1
         if batches % trainer.accumulate_grad_batches and batches != trainer.num_training_batches:
             return  # mid accumulation: the gradients gathered so far would not be in a checkpoint
-        self._stop_if_asked(trainer)
+        self._stop_if_asked(trainer, mid_step=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self._stop_if_asked(trainer)  # a signal during the last validation
         self.phase = "finished"
 
-    def _stop_if_asked(self, trainer: L.Trainer) -> None:
+    def _stop_if_asked(self, trainer: L.Trainer, mid_step: bool = False) -> None:
         stop = self.signum is not None
         if trainer.world_size > 1:
             stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
         if stop:
             self.phase = "finished"
-            # Lightning writes this step's logged metrics only after this hook: write them now, or the step
-            # would be missing from the curves of the resumed run (it starts at the next step).
-            trainer._logger_connector.on_batch_end()
-            trainer._logger_connector.update_train_step_metrics()
+            if mid_step:
+                # Lightning writes this step's logged metrics only after this hook: write them now, or the step
+                # would be missing from the curves of the resumed run (it starts at the next step).
+                trainer._logger_connector.on_batch_end()
+                trainer._logger_connector.update_train_step_metrics()
             trainer.save_checkpoint(self.checkpoint)
             raise Interrupted(self.signum or signal.SIGTERM, self.checkpoint)
 
