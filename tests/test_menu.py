@@ -155,10 +155,13 @@ def test_adam_trains(run_in_process):
 # ------------------------------------------------------------------------------------------ debug modes
 
 
-def test_debug_limit_and_overfit_run_the_batches_they_say(run_in_process):
+def test_debug_limit_and_overfit_run_the_batches_they_say(run_in_process, tmp_path):
     limit, _ = run_in_process("debug=limit", "logger=none")
     assert (limit["status"], limit["global_step"], limit["epochs"]) == ("completed", 2 * 3, 2)
-    overfit, _ = run_in_process("debug=overfit", "logger=none", "optimizer.lr=0.5", "trainer.max_epochs=50")
+    # Its own run dir: a dir that holds the limit run refuses another config (experiments.rundir).
+    overfit, _ = run_in_process(
+        "debug=overfit", "logger=none", "optimizer.lr=0.5", "trainer.max_epochs=50", run_dir=tmp_path / "overfit"
+    )
     assert overfit["global_step"] == 50  # one batch an epoch, 50 epochs
     # The same batch every epoch: the loss falls to that one batch's residual, below the noise of fresh data.
     assert overfit["train_loss"] < overfit["optimal_val_mse"]
