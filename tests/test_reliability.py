@@ -64,6 +64,8 @@ BAD_FILES = [
     ("a,b\n1,2\n3,4,5\n", None, "line 3 has 3 fields"),
     ("a,b\n", None, "no data rows"),
     ("a,b\n1,2\n", "data.target=price", "data.target=price"),
+    # 3 rows: 2 for training (val_fraction 0.2), found once the file is read (experiments.checks.check_shapes)
+    ("a,b\n1,2\n3,4\n5,6\n", "data.batch_size=64", "data.batch_size=64 is larger than the training split"),
 ]
 
 

@@ -136,15 +136,20 @@ def _check_synthetic_shapes(cfg: DictConfig) -> None:
     if samples is None or features is None:
         return
     train = samples - round(samples * cfg.data.val_fraction)  # as RegressionData.setup splits
-    if cfg.data.batch_size > train:
+    check_shapes(cfg.data.batch_size, train, OmegaConf.select(cfg, "model.in_features"), features)
+
+
+def check_shapes(batch_size: int, train_samples: int, in_features: int | None, num_features: int) -> None:
+    """A global batch must fit in the training split, and the model must take the data's features
+    (`in_features` None: it follows the data). From the config for synthetic data, from the data once read."""
+    if batch_size > train_samples:
         raise ConfigError(
-            f"data.batch_size={cfg.data.batch_size} is larger than the training split ({train} samples); "
-            f"allowed: 1 to {train}"
+            f"data.batch_size={batch_size} is larger than the training split ({train_samples} samples); "
+            f"allowed: 1 to {train_samples}"
         )
-    in_features = OmegaConf.select(cfg, "model.in_features")
-    if in_features is not None and in_features != features:
+    if in_features is not None and in_features != num_features:
         raise ConfigError(
-            f"model.in_features={in_features} does not match the data's {features} features; "
+            f"model.in_features={in_features} does not match the data's {num_features} features; "
             "allowed: null (follow the data) or the data's feature count"
         )
 

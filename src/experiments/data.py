@@ -220,11 +220,6 @@ class RegressionData(L.LightningDataModule):
             self.feature_std = torch.where(std > 0, std, torch.ones(()))
             self.x_train = (self.x_train - self.feature_mean) / self.feature_std
             self.x_val = (self.x_val - self.feature_mean) / self.feature_std
-        if len(self.x_train) < self.batch_size:
-            raise ConfigError(
-                f"data.batch_size={self.batch_size} is larger than the training split "
-                f"({len(self.x_train)} samples); allowed: 1 to {len(self.x_train)}"
-            )
 
     def solve_optimum_in_background(self) -> None:
         """Start solving `optimum` in a thread, so that validations during training can compare with it

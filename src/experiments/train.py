@@ -17,7 +17,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments import rundir, slurm
 from experiments.callbacks import configured_callbacks, early_stop_record
 from experiments.checkpoints import RunRecord, check_fits, load_checkpoint
-from experiments.checks import ConfigError, check_config, resolve_checkpoint
+from experiments.checks import check_config, check_shapes, resolve_checkpoint
 from experiments.entry import CONFIG_DIR, entry_point  # noqa: F401 (CONFIG_DIR: tests compose with it)
 from experiments.failures import Interrupted, Interruption, end_with_parent, out_of_memory
 from experiments.log_steps import LogStepProgressBar
@@ -79,12 +79,8 @@ def fit(
     )
     data = instantiate(cfg.data)
     data.setup("fit")
-    in_features = cfg.model.in_features or data.num_features
-    if in_features != data.num_features:  # data=file: known once the file is read
-        raise ConfigError(
-            f"model.in_features={in_features} does not match the data's {data.num_features} features; "
-            "allowed: null (follow the data) or the data's feature count"
-        )
+    check_shapes(cfg.data.batch_size, len(data.x_train), cfg.model.in_features, data.num_features)  # data=file
+    in_features = data.num_features
     if resumed:
         check_fits(resumed, in_features, cfg.model.out_features)
     # The checkpoint carries the run's config and column names, for eval.py and predict.py.
@@ -114,8 +110,8 @@ def fit(
             train_loss = getattr(module, "last_loss", None)  # the last step's, logged or not
             # A failed run's weights may be unusable (diverged), and after running out of memory, measuring
             # them could run out again: its fit is left blank.
-            unmeasured = {"val_mse": None, "val_mae": None, "val_r2": None, "optimum_distance": None}
-            unmeasured["optimal_val_mse"] = data.optimal_val_mse
+            unmeasured = {"val_mse": None, "val_mae": None, "val_r2": None, "optimum_distance": None,
+                          "optimal_val_mse": data.optimal_val_mse}  # fmt: skip
             metrics = {
                 **run_record(trainer, status, cfg.data.batch_size),
                 **(final_figures(module.net, data) if status != "failed" else unmeasured),
