@@ -4,6 +4,7 @@ from pathlib import Path
 
 import pytest
 from hydra import compose, initialize_config_dir
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.train import CONFIG_DIR, train
 
@@ -53,3 +54,14 @@ def cli(*args: str, tiny: bool = True, timeout: float = 300, **kwargs) -> subpro
     """`python train.py ARGS` as a user types it, from the repository root."""
     command = [sys.executable, "train.py", *(shrink(args) if tiny else args)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
+
+
+def logged_tags(run_dir: Path) -> list[str]:
+    """The scalar tags on disk in a run's TensorBoard files (`glob` below `tensorboard/`): `train/loss` there
+    means training is under way; the event file alone is made when the logger is, before the first step."""
+    events = sorted(run_dir.glob("tensorboard/**/events.*"))
+    if not events:
+        return []
+    accumulator = EventAccumulator(str(events[0].parent))
+    accumulator.Reload()
+    return accumulator.Tags()["scalars"]

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, compose_config
+from conftest import ROOT, TINY, cli, compose_config, logged_tags
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.checks import ConfigError
@@ -131,7 +131,7 @@ def test_a_sweep_stopped_in_its_second_job_and_run_again_completes_every_job(tmp
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 180
-        while not any((sweep / "1").glob("tensorboard/*/events.*")):  # the second job is training
+        while "train/loss" not in logged_tags(sweep / "1"):  # the second job is training (not still setting up)
             assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-2000:]
             time.sleep(0.1)
         first.send_signal(signal.SIGTERM)

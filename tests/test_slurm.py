@@ -15,8 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, compose_config
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from conftest import ROOT, TINY, compose_config, logged_tags
 
 from experiments.train import train
 
@@ -60,15 +59,6 @@ def metrics(run_dir: Path) -> dict:
         return json.loads((run_dir / "metrics.json").read_text())
     except (OSError, ValueError):
         return {}
-
-
-def logged_tags(run_dir: Path) -> list[str]:
-    events = sorted(run_dir.glob("tensorboard/events.*"))
-    if not events:
-        return []
-    accumulator = EventAccumulator(str(events[0].parent))
-    accumulator.Reload()
-    return accumulator.Tags()["scalars"]
 
 
 def final_weights(run_dir: Path) -> dict:
