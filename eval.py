@@ -1,6 +1,6 @@
 """Score a checkpoint: `python eval.py ckpt_path=PATH [data.path=F]` (see README.md, "Using a trained model")."""
 
-from experiments.scoring import eval_main
+from experiments.commands.entry import command
 
 if __name__ == "__main__":
-    eval_main()
+    command("eval", "experiments.commands.evaluate:main")()

@@ -1,6 +1,6 @@
 """Apply a checkpoint to raw inputs: `python predict.py ckpt_path=PATH data.path=F` (see README.md)."""
 
-from experiments.scoring import predict_main
+from experiments.commands.entry import command
 
 if __name__ == "__main__":
-    predict_main()
+    command("predict", "experiments.commands.predict:main")()

@@ -8,7 +8,7 @@
 
 The raw loop is the seed's: shuffled batches by `randperm` and index slicing, zero_grad, forward, MSE,
 backward, SGD step, on the same data, batch, device and precision. The Lightning path is the project's own
-`experiments.train.train` on the real config (default logging to TensorBoard, progress bar on, validation
+`experiments.commands.train.train` on the real config (default logging to TensorBoard, progress bar on, validation
 each epoch), shrunk only by overrides. Both are timed the same way: the clock starts after 5 warm-up steps
 and is read every `trainer.log_every_n_steps` steps; a path's step time is the median of those windows
 (robust to other work on a shared machine), and the mean over all of them is shown beside it. Lightning's
@@ -35,20 +35,18 @@ import torch
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from experiments.data import BatchLoader, EpochShuffle, SyntheticRegression
-from experiments.train import CONFIG_DIR, train
+from experiments.commands.entry import CONFIG_DIR
+from experiments.commands.train import train
+from experiments.data import SyntheticRegression
+from experiments.data.loader import BatchLoader, EpochShuffle
+from experiments.perf import peak_resident_mb, synchronized_clock
+from experiments.run.layout import RunPaths
 
 ROOT = Path(__file__).resolve().parents[1]
 WARMUP = 5  # PerfMonitor's warm-up steps
 WINDOW = 50  # the default trainer.log_every_n_steps: PerfMonitor's windows
 TARGETS = {64: (3.0, 1.5), 1024: (1.5, 1.1)}  # B: (Lightning/raw step time required, goal), fp32 on CPU
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
-
-
-def clock(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
 
 
 def raw_loop(x, y, batch_size: int, steps: int, device: torch.device, precision: str) -> list[tuple[float, int]]:
@@ -83,7 +81,7 @@ def raw_loop(x, y, batch_size: int, steps: int, device: torch.device, precision:
                 optimizer.step()
             step += 1
             if step == WARMUP or (step > WARMUP and step % WINDOW == 0) or step == steps:
-                marks.append((clock(device), step))
+                marks.append((synchronized_clock(device), step))
             if step == steps:
                 break
     return marks
@@ -124,7 +122,7 @@ class StepClock(lightning.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         self.steps += 1
         if self.steps == WARMUP or (self.steps > WARMUP and self.steps % WINDOW == 0):
-            self.marks.append((clock(self.device), self.steps))
+            self.marks.append((synchronized_clock(self.device), self.steps))
 
 
 def bare_lightning(x, y, batch_size: int, steps: int, device: torch.device, precision: str) -> list[tuple]:
@@ -142,7 +140,7 @@ def bare_lightning(x, y, batch_size: int, steps: int, device: torch.device, prec
 
 
 def lightning_run(overrides: list[str]) -> tuple[list[float], float, dict]:
-    """`experiments.train.train` on the composed config: (window step times, mean step time, metrics)."""
+    """`experiments.commands.train.train` on the composed config: (window step times, mean step time, metrics)."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
         cfg = compose("config", overrides=overrides)
     with tempfile.TemporaryDirectory() as run_dir:
@@ -213,15 +211,6 @@ def measure(args, data, device: torch.device, placement: str, batch_size: int, p
     }
 
 
-def peak_rss_mb(pid: int) -> float:
-    """The high-water mark of a process's resident memory (VmHWM), 0 once it has exited."""
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0.0
-    return next((int(line.split()[1]) / 2**10 for line in status.splitlines() if line.startswith("VmHWM:")), 0.0)
-
-
 def cli_run(overrides: list[str]) -> tuple[dict, float, float]:
     """`python train.py OVERRIDES` as a user types it: (its metrics.json, wall seconds, peak RSS in MB).
 
@@ -234,13 +223,13 @@ def cli_run(overrides: list[str]) -> tuple[dict, float, float]:
         child = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr, text=True)
         peak = 0.0
         while child.poll() is None:
-            peak = max(peak, peak_rss_mb(child.pid))
+            peak = max(peak, (peak_resident_mb(child.pid) or 0.0))
             time.sleep(0.01)
         seconds = time.perf_counter() - start
         if child.returncode:
             stderr.seek(0)
             sys.exit(f"error: {' '.join(command)} failed:\n{stderr.read()[-2000:]}")
-        return json.loads((Path(run_dir) / "metrics.json").read_text()), seconds, peak
+        return json.loads(RunPaths(run_dir).metrics.read_text()), seconds, peak
 
 
 def startup_and_memory(args) -> list[str]:

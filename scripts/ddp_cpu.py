@@ -19,6 +19,8 @@ from pathlib import Path
 
 from omegaconf import OmegaConf
 
+from experiments.run.layout import RunPaths
+
 ROOT = Path(__file__).resolve().parents[1]
 PROBLEM = [
     "data.num_samples=20480",
@@ -39,8 +41,8 @@ def sweep(batches: list[int], sweep_dir: Path) -> dict[tuple[int, int], dict]:
     subprocess.run(command, check=True, capture_output=True, text=True)
     runs = {}
     for job in sorted(p for p in sweep_dir.iterdir() if p.is_dir()):
-        cfg = OmegaConf.load(job / ".hydra" / "config.yaml")
-        runs[cfg.data.batch_size, cfg.trainer.devices] = json.loads((job / "metrics.json").read_text())
+        cfg = OmegaConf.load(RunPaths(job).hydra / "config.yaml")
+        runs[cfg.data.batch_size, cfg.trainer.devices] = json.loads(RunPaths(job).metrics.read_text())
     return runs
 
 

@@ -25,7 +25,6 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from experiments.records import write_atomic  # noqa: E402
 from experiments.reports import (  # noqa: E402
     Section,
     accumulation_section,
@@ -39,6 +38,8 @@ from experiments.reports import (  # noqa: E402
     throughput_section,
     time_to_target_section,
 )
+from experiments.run.files import write_atomic  # noqa: E402
+from experiments.run.layout import RunPaths  # noqa: E402
 from experiments.sweeps import Job, find_jobs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -181,11 +182,16 @@ def transfer_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str]
     return [section], lines, verified
 
 
+def by_series(section: Section, y: str) -> dict[str, list[tuple]]:
+    """(global batch size, y) of each series of a section's table, in the table's order."""
+    labels = dict.fromkeys(r["series"] for r in section.rows)
+    return {label: [(r["global_batch_size"], r[y]) for r in section.rows if r["series"] == label] for label in labels}
+
+
 def batch_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str], str]:
     section = throughput_section(jobs, out)
     lines = []
-    for label in dict.fromkeys(r["series"] for r in section.rows):
-        points = [(r["global_batch_size"], r["samples_per_sec"]) for r in section.rows if r["series"] == label]
+    for label, points in by_series(section, "samples_per_sec").items():
         (b0, s0), (b1, s1) = points[0], points[-1]
         best_b, best_s = max(points, key=lambda p: p[1])
         near = min(b for b, s in points if s >= 0.9 * best_s)
@@ -199,8 +205,7 @@ def batch_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str], s
 def memory_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str], str]:
     section = memory_section(jobs, out)
     lines = []
-    for label in dict.fromkeys(r["series"] for r in section.rows):
-        points = [(r["global_batch_size"], r["peak_memory_mb"]) for r in section.rows if r["series"] == label]
+    for label, points in by_series(section, "peak_memory_mb").items():
         (b0, m0), (b1, m1) = points[0], points[-1]
         width = int(next(j for j in jobs if j.status == "completed").settings["data.num_features"])
         per_sample = (m1 - m0) * 2**20 / (b1 - b0)
@@ -302,7 +307,7 @@ def target_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str], 
 
 
 def final_weights(job: Job) -> torch.Tensor:
-    state = torch.load(job.dir / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)["state_dict"]
+    state = torch.load(RunPaths(job.dir).last_checkpoint, map_location="cpu", weights_only=False)["state_dict"]
     return torch.cat([state["net.weight"].flatten(), state["net.bias"].flatten()]).double()
 
 

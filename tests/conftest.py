@@ -6,7 +6,8 @@ import pytest
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from experiments.train import CONFIG_DIR, train
+from experiments.commands.entry import CONFIG_DIR
+from experiments.commands.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -34,7 +35,7 @@ def compose_config(*overrides: str, tiny: bool = True):
 
 @pytest.fixture
 def run_in_process(tmp_path):
-    """Train in this process through `experiments.train.train`; returns (metrics, run_dir)."""
+    """Train in this process through `experiments.commands.train.train`; returns (metrics, run_dir)."""
 
     def run(*overrides: str, tiny: bool = True, run_dir: Path | None = None):
         run_dir = run_dir or tmp_path / "run"

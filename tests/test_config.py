@@ -8,7 +8,7 @@ from conftest import compose_config
 from hydra.utils import get_method, get_object
 from omegaconf import OmegaConf
 
-from experiments.train import CONFIG_DIR
+from experiments.commands.entry import CONFIG_DIR
 
 # Arguments that enter where the object is built (train.py), not from the YAML.
 RUNTIME_ARGS = {

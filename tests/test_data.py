@@ -2,8 +2,9 @@ import numpy as np
 import pytest
 import torch
 
-from experiments.checks import ConfigError
-from experiments.data import BatchLoader, EpochShuffle, FileRegression, SyntheticRegression
+from experiments.config.errors import ConfigError
+from experiments.data import FileRegression, SyntheticRegression
+from experiments.data.loader import BatchLoader, EpochShuffle
 from experiments.module import Regressor
 
 

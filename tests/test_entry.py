@@ -12,10 +12,10 @@ import time
 import pytest
 from conftest import ROOT, TINY, cli, compose_config
 
+from experiments.commands.train import train
 from experiments.data import SyntheticRegression
-from experiments.failures import Interrupted
 from experiments.module import Regressor
-from experiments.train import train
+from experiments.run.signals import Interrupted
 
 # (override, what the line must name): one or two per group, and Hydra's own composition errors. Each is
 # a CLI start (a few seconds); the in-process checks (test_reliability.py) cover the other settings.

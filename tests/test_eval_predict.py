@@ -12,10 +12,12 @@ import torch
 from conftest import ROOT, cli, compose_config
 from hydra import compose, initialize_config_dir
 
-from experiments.checkpoints import RECORD_KEY, load_checkpoint
-from experiments.checks import ConfigError
-from experiments.scoring import evaluate, predict, write_predictions
-from experiments.train import CONFIG_DIR, train
+from experiments.commands.entry import CONFIG_DIR
+from experiments.commands.evaluate import evaluate
+from experiments.commands.predict import predict, write_predictions
+from experiments.commands.train import train
+from experiments.config.errors import ConfigError
+from experiments.run.checkpoints import RECORD_KEY, load_checkpoint
 
 COLUMNS = ["rooms", "price", "age", "area"]  # the target in the middle: features are matched by name
 

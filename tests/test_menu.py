@@ -20,11 +20,12 @@ from lightning.pytorch.profilers import SimpleProfiler
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from experiments.checks import ConfigError
-from experiments.failures import Interrupted
+from experiments.commands.entry import CONFIG_DIR
+from experiments.commands.train import train
+from experiments.config.errors import ConfigError
 from experiments.module import Regressor
-from experiments.summary import summary_lines
-from experiments.train import CONFIG_DIR, train
+from experiments.run.signals import Interrupted
+from experiments.run.summary import summary_lines
 
 MENU = ["callbacks", "scheduler", "optimizer", "debug", "hparams_search"]
 STEPS = 8  # optimizer steps per TINY epoch: 512 training samples, batch 64
@@ -158,7 +159,7 @@ def test_adam_trains(run_in_process):
 def test_debug_limit_and_overfit_run_the_batches_they_say(run_in_process, tmp_path):
     limit, _ = run_in_process("debug=limit", "logger=none")
     assert (limit["status"], limit["global_step"], limit["epochs"]) == ("completed", 2 * 3, 2)
-    # Its own run dir: a dir that holds the limit run refuses another config (experiments.rundir).
+    # Its own run dir: a dir that holds the limit run refuses another config (experiments.run.state).
     overfit, _ = run_in_process(
         "debug=overfit", "logger=none", "optimizer.lr=0.5", "trainer.max_epochs=50", run_dir=tmp_path / "overfit"
     )

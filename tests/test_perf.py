@@ -6,12 +6,15 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT
+from conftest import ROOT, compose_config
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from experiments.checks import ConfigError
-from experiments.data import SyntheticRegression, keep_on_device, least_squares
+from experiments.config.checks import check_config
+from experiments.config.errors import ConfigError
+from experiments.data import SyntheticRegression
+from experiments.data.datamodule import keep_on_device
+from experiments.data.least_squares import least_squares
 from experiments.module import Regressor
 from experiments.perf import process_start_time
 
@@ -72,9 +75,10 @@ def test_on_device_decision():
     assert keep_on_device(True, cuda, nbytes=1) and not keep_on_device(False, cuda, nbytes=1)
 
 
-def test_on_device_rejects_other_values():
-    with pytest.raises(ConfigError, match=r"data.on_device=yes: allowed: auto, true, false"):
-        SyntheticRegression(on_device="yes")
+@pytest.mark.parametrize("setting", ["data.on_device", "data.pin_memory"])
+def test_on_device_and_pin_memory_reject_other_values(setting):
+    with pytest.raises(ConfigError, match=rf"{setting}=yes is not allowed; allowed: auto, true, false"):
+        check_config(compose_config(f"{setting}=yes"))
 
 
 @needs_cuda
@@ -231,11 +235,6 @@ def test_log_steps_are_one_notion_under_accumulation(run_in_process):
     assert metrics["global_step"] == 8
     assert [p.step for p in events.Scalars("train/loss")] == [1, 3, 5, 7]
     assert [p.step for p in events.Scalars("perf/step_time_ms")] == [4, 6, 8]  # warm-up ends at step 3
-
-
-def test_pin_memory_rejects_other_values():
-    with pytest.raises(ConfigError, match=r"data.pin_memory=yes: allowed: auto, true, false"):
-        SyntheticRegression(pin_memory="yes")
 
 
 @needs_cuda

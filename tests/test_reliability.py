@@ -15,11 +15,12 @@ from conftest import ROOT, TINY, cli, compose_config
 from lightning.fabric.plugins import TorchCheckpointIO
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from experiments.checks import ConfigError
-from experiments.failures import Interrupted, RunFailed
+from experiments.commands.train import train
+from experiments.config.errors import ConfigError
 from experiments.module import Regressor
-from experiments.records import UMASK, AtomicCheckpointIO, write_atomic
-from experiments.train import train
+from experiments.run.exits import RunFailed
+from experiments.run.files import UMASK, AtomicCheckpointIO, write_atomic
+from experiments.run.signals import Interrupted
 
 # ---------------------------------------------------------------------------------------------- bad input
 
@@ -64,7 +65,7 @@ BAD_FILES = [
     ("a,b\n1,2\n3,4,5\n", None, "line 3 has 3 fields"),
     ("a,b\n", None, "no data rows"),
     ("a,b\n1,2\n", "data.target=price", "data.target=price"),
-    # 3 rows: 2 for training (val_fraction 0.2), found once the file is read (experiments.checks.check_shapes)
+    # 3 rows: 2 for training (val_fraction 0.2), found once the file is read (experiments.config.checks.check_shapes)
     ("a,b\n1,2\n3,4\n5,6\n", "data.batch_size=64", "data.batch_size=64 is larger than the training split"),
 ]
 

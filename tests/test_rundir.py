@@ -16,11 +16,12 @@ import torch
 from conftest import ROOT, TINY, cli, compose_config, logged_tags
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from experiments.checks import ConfigError
-from experiments.failures import Interrupted
+from experiments.commands.train import train
+from experiments.config.errors import ConfigError
 from experiments.module import Regressor
-from experiments.rundir import RUN_CONFIG, State, identity, inspect
-from experiments.train import train
+from experiments.run.layout import RunPaths
+from experiments.run.signals import Interrupted
+from experiments.run.state import State, identity, inspect
 
 RESUMABLE = ["trainer.max_epochs=3", "optimizer.momentum=0.9"]  # momentum: optimizer state to restore
 
@@ -106,7 +107,8 @@ def test_a_completed_run_started_again_does_nothing_and_says_so(tmp_path):
 def test_bad_input_in_a_run_dir_leaves_no_run_behind(tmp_path):
     run_dir = tmp_path / "run"
     assert cli("optimizer.lr=-1", f"hydra.run.dir={run_dir}").returncode == 2
-    assert not any((run_dir / name).exists() for name in ("metrics.json", "checkpoints", RUN_CONFIG))
+    paths = RunPaths(run_dir)
+    assert not any(p.exists() for p in (paths.metrics, paths.checkpoints, paths.run_config))
     assert inspect(run_dir, compose_config()).state is State.FRESH
 
 

@@ -17,7 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY, compose_config, logged_tags
 
-from experiments.train import train
+from experiments.commands.train import train
 
 pytestmark = pytest.mark.slurm
 LOCAL_CONF = Path(os.environ.get("GPU_LAB_SLURM_DIR", "/tmp/gpu-lab-slurm")) / "slurm.conf"

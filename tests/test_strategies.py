@@ -18,10 +18,12 @@ import torch
 from conftest import ROOT, TINY, cli, compose_config
 from omegaconf import OmegaConf
 
-from experiments.checks import ConfigError
-from experiments.data import BatchLoader, EpochShuffle
-from experiments.strategies import check_strategy, ranks_join_this_job, silent_rank_overrides
-from experiments.train import train
+from experiments.commands.train import train
+from experiments.config.checks import check_strategy
+from experiments.config.errors import ConfigError
+from experiments.data.loader import BatchLoader, EpochShuffle
+from experiments.distributed.launcher import ranks_join_this_job
+from experiments.distributed.ranks import silent_rank_overrides
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
@@ -169,7 +171,7 @@ def test_only_rank_zero_writes(runs, name):
     run_dir = runs[name]
     assert len(event_file_pids(run_dir)) == 1  # a rank > 0 writing TensorBoard files would add its pid
     assert sorted(p.name for p in run_dir.rglob("*.log")) == ["train.log"]
-    # Rank 0's Hydra record and the run's copy of it (experiments.rundir); a rank > 0 would add its own.
+    # Rank 0's Hydra record and the run's copy of it (experiments.run.state); a rank > 0 would add its own.
     assert sorted(p.parent.name for p in run_dir.rglob("config.yaml")) == [".hydra", ".run-hydra"]
 
 
@@ -276,7 +278,7 @@ def test_ranks_above_zero_run_hydra_silently(monkeypatch, env, silent):
 def test_dataparallel_code_path_on_cpu_equals_single_device(runs, tmp_path, monkeypatch):
     # Without CUDA, torch.nn.DataParallel calls the module directly: this runs the strategy's capture of
     # `self.log`, its weighted loss reduction and its logging, though not the scatter over GPUs.
-    monkeypatch.setattr("experiments.train.check_strategy", lambda cfg: None)
+    monkeypatch.setattr("experiments.config.checks.check_strategy", lambda cfg: None)
     cfg = compose_config("strategy=dp", "trainer.accelerator=cpu", "data.batch_size=256", "logger=csv")
     record = train(cfg, tmp_path)
     assert record["strategy"] == "dp"

@@ -2,10 +2,10 @@
 
 import pytest
 import torch
+from conftest import compose_config
 
-from experiments.checks import ConfigError
-from experiments.perf import PerfMonitor
-from experiments.target import TimeToTarget
+from experiments.config.checks import check_config
+from experiments.config.errors import ConfigError
 
 
 def test_a_reachable_target_stops_the_run_there(run_in_process):
@@ -26,14 +26,15 @@ def test_an_unreachable_target_is_null_and_the_run_completes(run_in_process):
     assert metrics["stopped_at_target"] is False
 
 
-@pytest.mark.parametrize("ratio", [0.9, "x", True])
-def test_bad_ratio_is_refused(ratio):
-    with pytest.raises(ConfigError, match="target.mse_ratio"):
-        TimeToTarget(PerfMonitor(64), mse_ratio=ratio)
+@pytest.mark.parametrize("ratio, shown", [("0.9", "0.9"), ("x", "x"), ("true", "True")])
+def test_bad_ratio_is_refused(ratio, shown):
+    with pytest.raises(ConfigError, match=rf"target.mse_ratio={shown} is not allowed; allowed: a number >= 1"):
+        check_config(compose_config(f"target.mse_ratio={ratio}"))
 
 
 def test_the_optimum_solved_in_the_background_equals_the_one_solved_after():
-    from experiments.data import SyntheticRegression, least_squares
+    from experiments.data import SyntheticRegression
+    from experiments.data.least_squares import least_squares
 
     data = SyntheticRegression(num_samples=2000, num_features=20, seed=1)
     data.setup()

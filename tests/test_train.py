@@ -9,9 +9,10 @@ import torch
 from conftest import ROOT, compose_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from experiments.failures import Interrupted, RunFailed
+from experiments.commands.train import train
 from experiments.module import Regressor
-from experiments.train import train
+from experiments.run.exits import RunFailed
+from experiments.run.signals import Interrupted
 
 
 def readme_metrics_keys() -> set[str]:

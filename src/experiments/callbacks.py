@@ -8,6 +8,8 @@ from lightning.pytorch.callbacks import Callback, LearningRateMonitor
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from omegaconf import DictConfig
 
+from experiments.run.layout import RunPaths
+
 
 def configured_callbacks(cfg: DictConfig, run_dir: Path) -> list[Callback]:
     """One callback per key of `cfg.callbacks` (a key set to null is left out), and a LearningRateMonitor
@@ -17,7 +19,7 @@ def configured_callbacks(cfg: DictConfig, run_dir: Path) -> list[Callback]:
         if node is None:
             continue
         # The checkpoint's dir is part of the run dir's layout (resume and `ckpt_path=last` look there).
-        runtime = {"dirpath": str(run_dir / "checkpoints")} if name == "model_checkpoint" else {}
+        runtime = {"dirpath": str(RunPaths(run_dir).checkpoints)} if name == "model_checkpoint" else {}
         callbacks.append(instantiate(node, **runtime))
     if cfg.scheduler and cfg.logger:
         # "step": read at the steps the logger writes (log_every_n_steps), not on every step.

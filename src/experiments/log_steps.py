@@ -9,6 +9,8 @@ bar all follow it, so that their points fall on the same steps (under accumulati
 import lightning as L
 from lightning.pytorch.callbacks import TQDMProgressBar
 
+from experiments import internals
+
 
 def is_log_step(trainer: L.Trainer) -> bool:
     """Whether the optimizer step now running (under accumulation: each of its micro-steps) is a log step.
@@ -16,13 +18,13 @@ def is_log_step(trainer: L.Trainer) -> bool:
     True from `on_train_batch_start` to `on_train_batch_end` of that step: Lightning counts the step only after
     its `on_train_batch_end`.
     """
-    return trainer._logger_connector.should_update_logs
+    return internals.is_log_step(trainer)
 
 
 def ends_optimizer_step(trainer: L.Trainer) -> bool:
     """Whether the micro-step now running ends with an optimizer step (always, without accumulation); the
     last batch of an epoch steps even when its accumulation is short, as Lightning does."""
-    return not trainer.fit_loop.epoch_loop._should_accumulate()
+    return not internals.accumulating(trainer)
 
 
 class LogStepProgressBar(TQDMProgressBar):

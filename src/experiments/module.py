@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from torchmetrics import MeanAbsoluteError, MeanSquaredError, MetricCollection, R2Score
 
-from experiments.failures import check_loss
+from experiments import internals
+from experiments.divergence import check_loss
 from experiments.log_steps import is_log_step
 from experiments.perf import ComputeClock
 
@@ -45,7 +46,7 @@ class Regressor(L.LightningModule):
         # Lightning sets `_current_fx_name` before and after every hook call, about 45 times a step, and
         # torch's Module.__setattr__ checks parameters, buffers and submodules each time (about 1 us): a
         # string needs none of that. Lightning's own `_ResultMetric` skips the checks the same way.
-        if name == "_current_fx_name":
+        if name == internals.HOOK_NAME_ATTRIBUTE:
             object.__setattr__(self, name, value)
         else:
             super().__setattr__(name, value)
@@ -120,8 +121,7 @@ class Regressor(L.LightningModule):
             return {}
         # Finite: checks.check_config refuses a scheduler on a run bounded by neither max_epochs nor max_steps.
         steps = int(self.trainer.estimated_stepping_batches)
-        # Counting the steps builds the training loader before a resumed run's checkpoint is restored, and
-        # Lightning 2.6 hands the saved loader position (mid-epoch) only to a loader it builds after the restore
-        # (`_FitLoop.setup_data` skips a built one): drop this one so that the loop builds it again, restored.
-        self.trainer.fit_loop._combined_loader = None
+        # Counting the steps builds the training loader before a resumed run's checkpoint is restored: drop it,
+        # so that the loop builds it again and hands it the saved mid-epoch position.
+        internals.rebuild_train_loader(self.trainer)
         return dict.fromkeys(wanted, steps)

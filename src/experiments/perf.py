@@ -19,14 +19,28 @@ def peak_memory_mb(device: torch.device) -> float:
     """CUDA's peak allocated memory on a GPU; the process's peak resident set on the CPU."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
-    # VmHWM rather than getrusage's ru_maxrss: Linux carries ru_maxrss over from the parent process across
-    # fork and exec, so a run started by a large process (a benchmark, a sweep launcher) would report the
-    # parent's peak.
+    peak = peak_resident_mb()
+    return peak if peak is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB (Linux)
+
+
+def peak_resident_mb(pid: int | str = "self") -> float | None:
+    """A process's peak resident set (VmHWM), in MiB; None where /proc does not say (not Linux, or it exited).
+
+    VmHWM rather than getrusage's ru_maxrss: Linux carries ru_maxrss over from the parent process across fork and
+    exec, so a run started by a large process (a benchmark, a sweep launcher) would report the parent's peak.
+    """
     try:
-        status = Path("/proc/self/status").read_text()
-        return next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:")) / 2**10
-    except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**10  # KiB on Linux (bytes on macOS)
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return None
+    return next((int(line.split()[1]) / 2**10 for line in status.splitlines() if line.startswith("VmHWM:")), None)
+
+
+def synchronized_clock(device: torch.device) -> float:
+    """`time.perf_counter()` once the device has finished the work queued so far."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -276,9 +290,7 @@ class PerfMonitor(Callback):
         return now - self.paused - self.fit_start["time"]
 
     def _clock(self, pl_module: L.LightningModule) -> float:
-        if pl_module.device.type == "cuda":
-            torch.cuda.synchronize(pl_module.device)
-        return time.perf_counter()
+        return synchronized_clock(pl_module.device)
 
     def _transfer_seconds(self) -> float:
         return self.transfer_clock.total_seconds() if self.transfer_clock else 0.0

@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 from matplotlib.ticker import NullFormatter  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
-from experiments.records import replacing, write_atomic  # noqa: E402
+from experiments.run.files import replacing, write_atomic  # noqa: E402
 from experiments.sweeps import Job, find_jobs  # noqa: E402
 
 # Settings that a section reads from metrics.json instead (the values that ran, whatever set them).
@@ -114,6 +114,21 @@ def save(fig, path: Path) -> Path:
         fig.savefig(tmp, format="png", dpi=110)
     plt.close(fig)
     return path
+
+
+def series_lines(ax, rows: list[dict], x: str, y: str, first: list[tuple] = ()) -> None:
+    """A line per `series` of `rows`, its points sorted by `x`, after the points in `first` (a common start)."""
+    for label in dict.fromkeys(r["series"] for r in rows):
+        points = [*first, *sorted((r[x], r[y]) for r in rows if r["series"] == label)]
+        ax.plot(*zip(*points, strict=True), marker="o", label=label)
+
+
+def with_plot(section: Section, rows: list[dict], fig, ax, path: Path) -> Section:
+    """The section with its table (`rows`) and its plot, saved to `path`."""
+    ax.legend(fontsize="x-small")
+    section.columns, section.rows = list(rows[0]), rows
+    section.plot = save(fig, path)
+    return section
 
 
 def jobs_section(jobs: list[Job]) -> Section:
@@ -250,18 +265,12 @@ def speedup_section(jobs: list[Job], out: Path) -> Section:
         section.note = "No plot: no job ran on another accelerator or device count beside a 1-CPU baseline."
         return section
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label in dict.fromkeys(r["series"] for r in rows):
-        points = sorted((r["global_batch_size"], r["speedup"]) for r in rows if r["series"] == label)
-        ax.plot(*zip(*points, strict=True), marker="o", label=label)
+    series_lines(ax, rows, "global_batch_size", "speedup")
     ax.axhline(1.0, color="grey", linestyle="--", label="CPU baseline (1x)")
     ax.set(title="Speed-up over 1 CPU device", xlabel="global batch size (samples per micro-step)",
            ylabel="speed-up (x, throughput ratio)")  # fmt: skip
     log2_axis(ax)
-    ax.legend(fontsize="x-small")
-    section.columns = list(rows[0])
-    section.rows = rows
-    section.plot = save(fig, out / "speedup_over_cpu.png")
-    return section
+    return with_plot(section, rows, fig, ax, out / "speedup_over_cpu.png")
 
 
 def scaling_section(jobs: list[Job], out: Path) -> Section:
@@ -293,17 +302,11 @@ def scaling_section(jobs: list[Job], out: Path) -> Section:
         section.note = "No plot: no multi-device job beside a one-device job of the same accelerator and batch."
         return section
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for label in dict.fromkeys(r["series"] for r in rows):
-        points = [(1, 100.0)] + sorted((r["devices"], r["efficiency_pct"]) for r in rows if r["series"] == label)
-        ax.plot(*zip(*points, strict=True), marker="o", label=label)
+    series_lines(ax, rows, "devices", "efficiency_pct", first=[(1, 100.0)])
     ax.axhline(100.0, color="grey", linestyle="--", label="ideal (N x one device)")
     ax.set_xticks(sorted({1, *(r["devices"] for r in rows)}))  # whole devices only
     ax.set(title="Scaling efficiency", xlabel="devices (count)", ylabel="efficiency (% of N x one-device throughput)")
-    ax.legend(fontsize="x-small")
-    section.columns = list(rows[0])
-    section.rows = rows
-    section.plot = save(fig, out / "scaling_efficiency.png")
-    return section
+    return with_plot(section, rows, fig, ax, out / "scaling_efficiency.png")
 
 
 def accumulation_section(jobs: list[Job], out: Path) -> Section:

@@ -21,12 +21,11 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.records import write_atomic
+from experiments import internals
+from experiments.run.files import write_atomic
+from experiments.run.layout import RunPaths, SweepPaths
 
 log = logging.getLogger(__name__)
-
-JOB_RECORD = "job.json"
-RESULTS = "results.csv"
 
 
 @dataclass
@@ -51,18 +50,19 @@ class Job:
 def find_jobs(root: Path) -> list[Job]:
     """The jobs under `root`, a sweep dir or one run's dir, in job-number order."""
     dirs = {p.parent.parent for p in root.glob("**/.hydra/overrides.yaml")}
-    dirs |= {p.parent for p in root.glob("**/metrics.json")}
+    dirs |= {p.parent for p in root.glob("**/metrics.json")}  # RunPaths.hydra, RunPaths.metrics
     return sorted((read_job(d) for d in dirs), key=lambda job: (job.num, str(job.dir)))
 
 
 def read_job(job_dir: Path) -> Job:
-    overrides_file = job_dir / ".hydra" / "overrides.yaml"
+    paths = RunPaths(job_dir)
+    overrides_file = paths.hydra / "overrides.yaml"
     overrides = list(OmegaConf.load(overrides_file)) if overrides_file.exists() else []
-    hydra_file = job_dir / ".hydra" / "hydra.yaml"
+    hydra_file = paths.hydra / "hydra.yaml"
     num = OmegaConf.select(OmegaConf.load(hydra_file), "hydra.job.num") if hydra_file.exists() else None
-    record = _read_json(job_dir / JOB_RECORD)
-    metrics = _read_json(job_dir / "metrics.json")
-    config_file = job_dir / ".hydra" / "config.yaml"
+    record = _read_json(paths.job_record)
+    metrics = _read_json(paths.metrics)
+    config_file = paths.hydra / "config.yaml"
     settings = (
         flatten(OmegaConf.to_container(OmegaConf.load(config_file), resolve=True)) if config_file.exists() else {}
     )
@@ -110,25 +110,25 @@ def results_table(jobs: list[Job]) -> tuple[list[str], list[dict]]:
 
 def write_results(sweep_dir: Path) -> Path:
     """Rebuild `<sweep_dir>/results.csv` from the job dirs; safe when parallel jobs end at once."""
-    path = sweep_dir / RESULTS
+    paths = SweepPaths(sweep_dir)
     # A lock file, because joblib and submitit run `on_job_end` in separate processes: without it, a job
     # that scanned the dirs first could overwrite the table of a job that ended just after it.
-    with open(sweep_dir / ".results.lock", "w") as lock:
+    with open(paths.results_lock, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         columns, rows = results_table(find_jobs(sweep_dir))
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
         writer.writerows(rows)
-        write_atomic(path, text.getvalue())
-    return path
+        write_atomic(paths.results, text.getvalue())
+    return paths.results
 
 
 def record_interrupted_job(hydra_cfg: DictConfig) -> None:
     """An interrupted job's row: its exit (`sys.exit`, which stops the sweep) passes Hydra's `on_job_end` by."""
     job_dir = Path(hydra_cfg.runtime.output_dir)
     record = {"num": hydra_cfg.job.num, "overrides": list(hydra_cfg.overrides.task), "status": "interrupted"}
-    write_atomic(job_dir / JOB_RECORD, json.dumps(record, indent=2) + "\n")
+    write_atomic(RunPaths(job_dir).job_record, json.dumps(record, indent=2) + "\n")
     write_results(Path(hydra_cfg.sweep.dir))
 
 
@@ -143,10 +143,10 @@ class SweepRecord(Callback):
         if config.hydra.mode != RunMode.MULTIRUN:
             return
         # Runs where the job ran (a joblib worker, a SLURM node): write only into this job's own dir.
-        job_dir = Path(config.hydra.runtime.output_dir)
+        job_record = RunPaths(config.hydra.runtime.output_dir).job_record
         record = {"num": config.hydra.job.num, "overrides": list(job_return.overrides or [])}
         if job_return.status == JobStatus.FAILED:
-            err = job_return._return_value  # the public `return_value` re-raises it
+            err = internals.job_error(job_return)
             record |= {
                 "status": "failed",
                 "error": one_line(err),
@@ -157,9 +157,9 @@ class SweepRecord(Callback):
         else:
             record["status"] = "completed"
         text = json.dumps(record, indent=2) + "\n"
-        if not (job_dir / JOB_RECORD).exists() or (job_dir / JOB_RECORD).read_text() != text:
-            # Unchanged when a re-run sweep finds the job completed (experiments.rundir): its files stay as they were.
-            write_atomic(job_dir / JOB_RECORD, text)
+        if not job_record.exists() or job_record.read_text() != text:
+            # Unchanged when a re-run sweep finds the job completed (experiments.run.state): its files stay as they are.
+            write_atomic(job_record, text)
         write_results(Path(config.hydra.sweep.dir))
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:

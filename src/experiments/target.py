@@ -8,7 +8,6 @@ validation: every epoch by default, or `trainer.val_check_interval`.
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from experiments.checks import ConfigError
 from experiments.perf import PerfMonitor
 
 
@@ -21,10 +20,6 @@ class TimeToTarget(Callback):
     """
 
     def __init__(self, perf: PerfMonitor, mse_ratio: float = 1.02, stop: bool = False):
-        if isinstance(mse_ratio, bool) or not isinstance(mse_ratio, int | float) or not mse_ratio >= 1:
-            raise ConfigError(f"target.mse_ratio={mse_ratio}: allowed: a number >= 1 (1.01: within 1% of the optimum)")
-        if not isinstance(stop, bool):
-            raise ConfigError(f"target.stop={stop}: allowed: true, false")
         self.perf, self.mse_ratio, self.stop = perf, mse_ratio, stop
         self.summary = {
             "target_mse": None,

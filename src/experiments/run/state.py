@@ -17,12 +17,10 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.checks import ConfigError
-from experiments.records import write_atomic
+from experiments.config.errors import ConfigError
+from experiments.run.files import write_atomic
+from experiments.run.layout import RunPaths
 
-RUN_CONFIG = "run.yaml"
-HYDRA_COPY = ".run-hydra"  # the run's copy of Hydra's `.hydra/` files, put back when a start changes nothing
-LAST_CHECKPOINT = Path("checkpoints") / "last.ckpt"
 IGNORED = ("ckpt_path", "trainer.enable_progress_bar", "trainer.enable_model_summary")
 
 
@@ -56,10 +54,11 @@ def identity(cfg: DictConfig) -> dict:
 
 
 def inspect(run_dir: Path, cfg: DictConfig) -> RunDir:
-    metrics_file, checkpoint = run_dir / "metrics.json", run_dir / LAST_CHECKPOINT
+    paths = RunPaths(run_dir)
+    metrics_file, checkpoint = paths.metrics, paths.last_checkpoint
     if not metrics_file.exists() and not checkpoint.exists():
         return RunDir(run_dir, State.FRESH)
-    stored = run_dir / RUN_CONFIG
+    stored = paths.run_config
     if not stored.exists() or identity(OmegaConf.load(stored)) != identity(cfg):
         return RunDir(run_dir, State.OTHER_CONFIG)
     metrics = json.loads(metrics_file.read_text()) if metrics_file.exists() else None
@@ -77,10 +76,11 @@ def settle(run_dir: Path, cfg: DictConfig, writer: bool = True) -> RunDir:
     if run.state is State.OTHER_CONFIG:
         if writer:
             restore_hydra_files(run_dir)
-        what = "a run of another config" if (run_dir / RUN_CONFIG).exists() else "a run whose config is unrecorded"
+        stored = RunPaths(run_dir).run_config
+        what = "a run of another config" if stored.exists() else "a run whose config is unrecorded"
         raise ConfigError(
             f"hydra.run.dir={run_dir} holds {what} (its metrics.json or checkpoint); allowed: the same config "
-            f"(see {run_dir / RUN_CONFIG}) to resume or keep it, or another hydra.run.dir"
+            f"(see {stored}) to resume or keep it, or another hydra.run.dir"
         )
     if run.state is State.COMPLETED and writer:
         restore_hydra_files(run_dir)
@@ -92,18 +92,18 @@ def claim(run: RunDir, cfg: DictConfig) -> None:
     An unfinished run keeps the record it started with."""
     if run.state is not State.FRESH:
         return
-    write_atomic(run.path / RUN_CONFIG, OmegaConf.to_yaml(cfg, resolve=True))
-    hydra_dir = run.path / ".hydra"
-    for source in sorted(hydra_dir.glob("*.yaml")) if hydra_dir.is_dir() else []:
-        write_atomic(run.path / HYDRA_COPY / source.name, source.read_text())
+    paths = RunPaths(run.path)
+    write_atomic(paths.run_config, OmegaConf.to_yaml(cfg, resolve=True))
+    for source in sorted(paths.hydra.glob("*.yaml")) if paths.hydra.is_dir() else []:
+        write_atomic(paths.hydra_copy / source.name, source.read_text())
 
 
 def restore_hydra_files(run_dir: Path) -> None:
     # Hydra rewrites `.hydra/*.yaml` on every start, before the task runs; a start that changes nothing puts
     # back the run's own copy wherever the content differs (a different order of overrides, another launcher).
-    copy = run_dir / HYDRA_COPY
-    for saved in sorted(copy.glob("*.yaml")) if copy.is_dir() else []:
-        target = run_dir / ".hydra" / saved.name
+    paths = RunPaths(run_dir)
+    for saved in sorted(paths.hydra_copy.glob("*.yaml")) if paths.hydra_copy.is_dir() else []:
+        target = paths.hydra / saved.name
         if not target.exists() or target.read_bytes() != saved.read_bytes():
             write_atomic(target, saved.read_text())
 

@@ -16,8 +16,9 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from experiments.checks import ConfigError
+from experiments.config.errors import ConfigError
 from experiments.module import Regressor
+from experiments.run.layout import RunPaths, run_of_checkpoint
 
 # The checkpoint's entry written by `RunRecord` (a top-level key, beside Lightning's own `state_dict`, ...).
 RECORD_KEY = "run"
@@ -101,8 +102,9 @@ def load_checkpoint(path: str | Path, setting: str = "ckpt_path") -> Checkpoint:
     record = raw.get(RECORD_KEY) or {}
     config = record.get("config")
     if config is None:  # written before checkpoints carried their run's config: read it from the run dir
-        hydra_config = path.parent.parent / ".hydra" / "config.yaml"
-        if path.parent.name != "checkpoints" or not hydra_config.is_file():
+        run = run_of_checkpoint(path)
+        hydra_config = run.hydra / "config.yaml" if run else None
+        if hydra_config is None or not hydra_config.is_file():
             raise refuse(
                 "holds no run config (an older checkpoint), and there is no .hydra/config.yaml beside its "
                 "checkpoints/ folder to read it from"
@@ -147,3 +149,17 @@ def check_fits(checkpoint: Checkpoint, num_features: int, out_features: int | No
             f"the model gives {checkpoint.out_features} outputs and {out_features} are wanted here "
             f"(model.out_features, or the data's target columns); allowed: {checkpoint.out_features}"
         )
+
+
+def resolve_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:
+    """`last` is the newest `checkpoints/last.ckpt` among the other runs beside this one (outputs/runs/)."""
+    if ckpt_path != "last":
+        return ckpt_path
+    runs = (RunPaths(d) for d in run_dir.parent.iterdir() if d.is_dir() and d != run_dir)
+    found = [run.last_checkpoint for run in runs if run.last_checkpoint.is_file()]
+    if not found:
+        raise ConfigError(
+            f"ckpt_path=last: no run in {run_dir.parent} has a checkpoints/last.ckpt yet; "
+            "allowed: a checkpoint file, or last once a run has saved one"
+        )
+    return str(max(found, key=lambda p: p.stat().st_mtime))

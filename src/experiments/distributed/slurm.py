@@ -4,7 +4,7 @@ Lightning's own SLURM auto-requeue saves a checkpoint from inside its SIGUSR1 ha
 requeues. Here it is switched off (`plugins()`); `failures.Interruption` handles SIGUSR1 like SIGTERM (stop at the
 next optimizer-step boundary, save the exact position), and once the run has written everything, rank 0 asks
 SLURM to requeue the job (`requeue_after`). The requeued job keeps its SLURM_JOB_ID, so scripts/slurm.sbatch
-starts it in the same run dir and `experiments.rundir` resumes it. `scontrol requeue` sends SIGTERM itself: a
+starts it in the same run dir and `experiments.run.state` resumes it. `scontrol requeue` sends SIGTERM itself: a
 SIGTERM is a stop, and the requeue (if any) is SLURM's.
 """
 
@@ -15,7 +15,7 @@ import sys
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from experiments.strategies import this_rank
+from experiments.distributed.ranks import this_rank
 
 
 def plugins() -> list:

@@ -1,15 +1,17 @@
 """How every command (`train.py`, `eval.py`, `predict.py`) ends: one path for user errors and signals.
 
-`@entry_point("config")` replaces `@hydra.main` on a task `def main(cfg) -> result`. Whatever refuses the
-input — a check (`ConfigError`), a constructor that Hydra instantiates (Hydra wraps its error in an
-`InstantiationException`), OmegaConf reading a setting, or Hydra composing the config (an unknown option
-`logger=nope`, an unknown key `trainer.nope=1`, a bad override) — the user sees one line
-`error: <setting>=<value> ...; allowed: ...` on stderr and the command exits 2 (README, "Failures").
-In a multirun a job's error is raised on, so that Hydra records that job as failed and runs the others;
-the sweep then exits 1.
+`command(config_name, task)` replaces `@hydra.main` on a task `def main(cfg) -> result`, named as
+"module:function" and imported only once Hydra has composed the config, so that `--help` and a refused override
+answer without loading Lightning. Whatever refuses the input — a check (`ConfigError`), a constructor that Hydra
+instantiates (Hydra wraps its error in an `InstantiationException`), OmegaConf reading a setting, or Hydra
+composing the config (an unknown option `logger=nope`, an unknown key `trainer.nope=1`, a bad override) — the
+user sees one line `error: <setting>=<value> ...; allowed: ...` on stderr and the command exits 2 (README,
+"Failures"). In a multirun a job's error is raised on, so that Hydra records that job as failed and runs the
+others; the sweep then exits 1.
 """
 
 import functools
+import importlib
 import os
 import re
 import sys
@@ -26,35 +28,34 @@ from hydra.errors import (
     OverrideParseException,
 )
 from hydra.types import RunMode
-from lightning.fabric.utilities.exceptions import MisconfigurationException
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from experiments.checks import ConfigError
-from experiments.failures import EXIT_BAD_INPUT, EXIT_FAILED, Interrupted, RunFailed, stopping_at_once
+from experiments.config.errors import ConfigError
+from experiments.run.exits import EXIT_BAD_INPUT, EXIT_FAILED, RunFailed
+from experiments.run.signals import Interrupted, stopping_at_once
 
 # conf/ sits at the repository root, beside train.py (the project is installed editable).
-CONFIG_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONFIG_DIR = str(Path(__file__).resolve().parents[3] / "conf")
 
 # Hydra's errors while it composes the config, before any job runs.
 COMPOSITION_ERRORS = (ConfigCompositionException, OverrideParseException)
 
 
-def entry_point(config_name: str, config_dir: str = CONFIG_DIR) -> Callable[[Callable[[DictConfig], Any]], Callable]:
-    def decorate(task: Callable[[DictConfig], Any]) -> Callable[[], Any]:
-        @functools.wraps(task)
-        def job(cfg: DictConfig) -> Any:
-            return run_job(task, cfg)
+def command(config_name: str, task: str, config_dir: str = CONFIG_DIR) -> Callable[[], Any]:
+    """The command that composes `config_name` and runs `task` ("module:function") on it."""
+    # A partial of a module-level function, not a closure: joblib's and submitit's launchers pickle the job.
+    job = functools.partial(run_task, task)
+    # Hydra names the job after the task's module (`train`: its log file is train.log).
+    job.__module__, job.__name__ = task.split(":")
+    job.__qualname__ = job.__name__
+    hydra_main = hydra.main(version_base="1.3", config_path=config_dir, config_name=config_name)(job)
+    return functools.partial(run_command, hydra_main)
 
-        hydra_main = hydra.main(version_base="1.3", config_path=config_dir, config_name=config_name)(job)
 
-        @functools.wraps(task)
-        def command() -> Any:
-            return run_command(hydra_main)
-
-        return command
-
-    return decorate
+def run_task(task: str, cfg: DictConfig) -> Any:
+    module, function = task.split(":")
+    return run_job(getattr(importlib.import_module(module), function), cfg)
 
 
 def run_command(hydra_main: Callable[[], Any]) -> Any:
@@ -98,7 +99,7 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         print(stop, file=sys.stderr)
         if multirun:
             # The exit passes Hydra's callbacks by (SweepRecord): the job records itself.
-            from experiments.sweeps import record_interrupted_job
+            from experiments.sweeps import record_interrupted_job  # a sweep's module: imported when needed
 
             record_interrupted_job(HydraConfig.get())
         sys.exit(stop.exit_code)
@@ -159,6 +160,8 @@ def _constructor_error(err: InstantiationException, cfg: DictConfig | None) -> C
     cause = err.__cause__
     if isinstance(cause, ConfigError):
         return user_error(cause)
+    from lightning.fabric.utilities.exceptions import MisconfigurationException  # loaded by then: a constructor ran
+
     if not isinstance(cause, MisconfigurationException | ValueError | TypeError):
         return None  # a crash inside the constructor, not a setting it refused
     # Hydra's message: "Error in call to target 'lightning...Trainer':\n<cause>\nfull_key: trainer"

@@ -1,18 +1,20 @@
-"""Checks of the composed config, run before any data is made or any rank is started."""
+"""The one home of config rules: every check of the composed config, run before any data is made or any rank is
+started. `RULES` checks one setting at a time; the functions below check what several settings allow together
+(the accelerator and devices, the strategy and the batch, the data's shapes).
+"""
 
 import math
-import typing
-from pathlib import Path
 
-from lightning.fabric.plugins.precision.precision import _PRECISION_INPUT
-from lightning.fabric.utilities.device_parser import _normalize_parse_gpu_string_input
+import torch
+from hydra.utils import get_class
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
-
-class ConfigError(ValueError):
-    """A setting the user can fix. The message names the setting, the bad value and what is allowed."""
+from experiments import internals
+from experiments.config.errors import ConfigError
+from experiments.distributed.dp import DataParallelStrategy
+from experiments.distributed.single import SingleDevice
 
 
 def _integer(v) -> bool:
@@ -31,7 +33,7 @@ def parse_devices(value) -> str | int | list:
     if isinstance(value, ListConfig):
         return list(value)
     if isinstance(value, str) and value != "auto":
-        return _normalize_parse_gpu_string_input(value)
+        return internals.parse_device_string(value)
     return value
 
 
@@ -51,7 +53,7 @@ def _batches(v) -> bool:
 
 
 # Lightning's accepted `precision` values (ints such as 32 and strings such as "bf16-mixed").
-PRECISIONS = {value for literal in typing.get_args(_PRECISION_INPUT) for value in typing.get_args(literal)}
+PRECISIONS = internals.precisions()
 
 # (setting, test, what is allowed). A setting that the chosen config does not have is skipped (data=file
 # has no num_samples).
@@ -72,6 +74,9 @@ RULES = [
     ("trainer.limit_val_batches", _batches, "null, a fraction from 0.0 to 1.0, or a number of batches >= 0"),
     ("trainer.val_check_interval", _batches, "null, a fraction of the epoch from 0.0 to 1.0, or a number of batches"),
     ("data.on_device", lambda v: v in ("auto", True, False), "auto, true, false"),
+    ("data.pin_memory", lambda v: v in ("auto", True, False), "auto, true, false"),
+    ("target.mse_ratio", lambda v: _real(v) and v >= 1, "a number >= 1 (1.01: within 1% of the optimum)"),
+    ("target.stop", lambda v: isinstance(v, bool), "true, false"),
     ("trainer.log_every_n_steps", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("trainer.precision", lambda v: v in PRECISIONS, ", ".join(sorted(map(str, PRECISIONS)))),
     ("optimizer.lr", lambda v: _real(v) and v > 0, "a finite number > 0"),
@@ -98,8 +103,9 @@ def check_config(cfg: DictConfig) -> None:
             "trainer.max_epochs=-1 with trainer.max_steps=-1: a scheduler needs the run's length; "
             "allowed: a max_epochs or a max_steps other than -1 (or scheduler=none)"
         )
-    _check_strategy(cfg.trainer.get("strategy", "auto"))
+    _check_strategy_name(cfg.trainer.get("strategy", "auto"))
     _check_synthetic_shapes(cfg)
+    check_strategy(cfg)
 
 
 def _check_accelerator(name) -> None:
@@ -154,9 +160,9 @@ def check_shapes(batch_size: int, train_samples: int, in_features: int | None, n
         )
 
 
-def _check_strategy(strategy) -> None:
+def _check_strategy_name(strategy) -> None:
     # A node with a `_target_` (conf/strategy/ddp.yaml, dp.yaml) is checked by Hydra when it is built, and
-    # by strategies.check_strategy; a name must be one that Lightning's registry knows.
+    # by check_strategy; a name must be one that Lightning's registry knows.
     if not isinstance(strategy, str) or strategy == "auto" or strategy in StrategyRegistry:
         return
     raise ConfigError(
@@ -165,14 +171,66 @@ def _check_strategy(strategy) -> None:
     )
 
 
-def resolve_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:
-    """`last` is the newest `checkpoints/last.ckpt` among the other runs beside this one (outputs/runs/)."""
-    if ckpt_path != "last":
-        return ckpt_path
-    found = [p for p in run_dir.parent.glob("*/checkpoints/last.ckpt") if p.parent.parent != run_dir]
-    if not found:
+def _strategy_class(strategy) -> type | None:
+    target = strategy.get("_target_") if isinstance(strategy, DictConfig) else None
+    return get_class(target) if target else None
+
+
+def _device_count(trainer: DictConfig) -> int | None:
+    """Devices per node as Lightning will read `trainer.devices`; None when it cannot be told here."""
+    try:
+        devices = parse_devices(trainer.devices)
+    except ValueError:
+        return None
+    if isinstance(devices, list):  # device ids
+        return len(devices)
+    if devices in ("auto", -1):
+        gpu = trainer.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+        return torch.cuda.device_count() if gpu else 1
+    return devices if isinstance(devices, int) and devices > 0 else None
+
+
+def world_size(trainer: DictConfig) -> int | None:
+    """The number of ranks the trainer config will start: devices x nodes, or 1 for single and dp."""
+    strategy = trainer.get("strategy", "auto")  # eval.py's and predict.py's trainers have none
+    cls = _strategy_class(strategy)
+    if strategy in ("single_device", "dp") or (cls and issubclass(cls, (SingleDevice, DataParallelStrategy))):
+        return 1
+    devices = _device_count(trainer)
+    return None if devices is None else devices * trainer.num_nodes
+
+
+def check_strategy(cfg: DictConfig) -> None:
+    """Settings that would fail only after data is built or ranks are started: refuse them now."""
+    trainer = cfg.trainer
+    devices = _device_count(trainer)
+    strategy = trainer.get("strategy", "auto")
+    cls = _strategy_class(strategy)
+    if cls and issubclass(cls, DataParallelStrategy):
+        if trainer.accelerator not in ("auto", "gpu", "cuda") or not torch.cuda.is_available():
+            raise ConfigError(
+                f"strategy=dp needs CUDA GPUs (trainer.accelerator={trainer.accelerator}, "
+                f"CUDA available: {torch.cuda.is_available()}); use strategy=ddp for several CPU processes"
+            )
+        if devices is None or devices > torch.cuda.device_count() or trainer.num_nodes != 1:
+            raise ConfigError(
+                f"strategy=dp: trainer.devices={trainer.devices} x trainer.num_nodes={trainer.num_nodes}, but "
+                f"this machine has {torch.cuda.device_count()} CUDA GPU(s); allowed: 1 to "
+                f"{torch.cuda.device_count()} devices on one node, or strategy=ddp"
+            )
+    single = strategy == "single_device" or (cls and issubclass(cls, SingleDevice))
+    if single and (trainer.devices not in (1, "1") or trainer.num_nodes != 1):
         raise ConfigError(
-            f"ckpt_path=last: no run in {run_dir.parent} has a checkpoints/last.ckpt yet; "
-            "allowed: a checkpoint file, or last once a run has saved one"
+            f"strategy=single: trainer.devices={trainer.devices}, trainer.num_nodes={trainer.num_nodes}; "
+            "allowed: trainer.devices=1 on 1 node (the first device), or strategy=auto with trainer.devices=[i] "
+            "for another GPU, or strategy=ddp for several"
         )
-    return str(max(found, key=lambda p: p.stat().st_mtime))
+    ranks = world_size(trainer)
+    batch = OmegaConf.select(cfg, "data.batch_size")  # None for eval.py's check of its trainer alone
+    if ranks and batch and batch % ranks:
+        lower, upper = batch // ranks * ranks, (batch // ranks + 1) * ranks
+        raise ConfigError(
+            f"data.batch_size={batch} does not split over {ranks} ranks (trainer.devices={trainer.devices} x "
+            f"trainer.num_nodes={trainer.num_nodes}); allowed: a multiple of {ranks}, e.g. "
+            f"{' or '.join(str(b) for b in (lower, upper) if b)}"
+        )

@@ -1,0 +1,184 @@
+"""The train recipe: `python train.py [overrides]` (README). `TrainRecipe` has a spine you can see: set up
+(check, build), fit, finish (record); `train(cfg, run_dir)` runs it and is what tests call with a composed config.
+"""
+
+import time
+from pathlib import Path
+
+import lightning as L
+import torch
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
+from hydra.utils import instantiate
+from lightning.pytorch.loggers import TensorBoardLogger
+from omegaconf import DictConfig, OmegaConf
+
+from experiments.callbacks import configured_callbacks, early_stop_record
+from experiments.config.checks import check_config, check_shapes
+from experiments.distributed import slurm
+from experiments.distributed.launcher import ranks_join_this_job
+from experiments.distributed.ranks import end_with_parent, this_rank
+from experiments.log_steps import LogStepProgressBar
+from experiments.module import Regressor
+from experiments.perf import PerfMonitor, run_start_time
+from experiments.run import state
+from experiments.run.checkpoints import RunRecord, check_fits, load_checkpoint, resolve_checkpoint
+from experiments.run.exits import out_of_memory
+from experiments.run.files import AtomicCheckpointIO
+from experiments.run.interruption import Interruption
+from experiments.run.layout import RunPaths
+from experiments.run.metrics import final_figures, record, run_record, write_metrics
+from experiments.run.signals import Interrupted
+from experiments.run.summary import print_summary, quiet_lightning
+from experiments.target import TimeToTarget
+
+
+def train(cfg: DictConfig, run_dir: Path) -> dict:
+    """One run in `run_dir`; returns its metrics.json record (a completed run's own, when there is nothing to do)."""
+    recipe = TrainRecipe(cfg, Path(run_dir))
+    if recipe.run.state is state.State.COMPLETED:
+        print(f"nothing to do: {run_dir} holds this config's completed run (its metrics.json)")
+        return recipe.run.metrics
+    try:
+        with recipe.interruption.handling():
+            recipe.setup()
+            metrics = recipe.fit()
+        recipe.interruption.raise_if_signalled()
+    except Interrupted as stop:
+        slurm.requeue_after(stop.signum)  # a SLURM pre-emption warning: the job starts again and resumes
+        raise
+    return metrics
+
+
+class TrainRecipe:
+    """One training run. Checks (in `__init__`) come before anything is built; `setup` builds the trainer (its
+    constructors check their settings before the data is made), the data and the module; `fit` trains;
+    `finish` records the run (metrics.json, TensorBoard's hparams, the closing summary)."""
+
+    def __init__(self, cfg: DictConfig, run_dir: Path):
+        self.started = run_start_time()
+        quiet_lightning()
+        check_config(cfg)
+        self.cfg, self.paths = cfg, RunPaths(run_dir)
+        self.rank = this_rank()
+        if self.rank.started_by_launcher:
+            end_with_parent()
+        self.run = state.settle(run_dir, cfg, writer=self.rank.zero)  # refuses a dir holding another config's run
+        if self.run.state is not state.State.COMPLETED:
+            # An unfinished run resumes itself; otherwise `ckpt_path` (a file, or `last`).
+            self.ckpt_path = self.run.checkpoint or resolve_checkpoint(cfg.ckpt_path, run_dir)
+        # A signal saves the exact position over last.ckpt, so that `ckpt_path=last` resumes from it.
+        self.interruption = Interruption(str(self.paths.last_checkpoint))
+
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.resumed = load_checkpoint(self.ckpt_path) if self.ckpt_path else None  # eval's and predict's checks
+        L.seed_everything(cfg.seed, workers=True, verbose=False)
+        self.perf = PerfMonitor(global_batch_size=cfg.data.batch_size, started_at=self.started)
+        self.target = TimeToTarget(self.perf, **cfg.target)
+        self.trainer = self._trainer()
+        self.data = instantiate(cfg.data)
+        self.data.setup("fit")
+        check_shapes(cfg.data.batch_size, len(self.data.x_train), cfg.model.in_features, self.data.num_features)
+        if self.resumed:
+            check_fits(self.resumed, self.data.num_features, cfg.model.out_features)
+        # The checkpoint carries the run's config and column names, for eval.py and predict.py.
+        self.trainer.callbacks.append(RunRecord(cfg, self.data.feature_names, self.data.target_name))
+        net = instantiate(cfg.model, in_features=self.data.num_features)
+        optimizer, scheduler = instantiate(cfg.optimizer), instantiate(cfg.scheduler)
+        self.module = Regressor(net, optimizer, self.data.feature_mean, self.data.feature_std, scheduler=scheduler)
+        if self.rank.zero:
+            state.claim(self.run, cfg)
+
+    def _trainer(self) -> L.Trainer:
+        cfg = self.cfg
+        # Curves restart where the checkpoint does, when the run resumes in its own dir.
+        resume_step = self.resumed.global_step if self.run.checkpoint else None
+        logger_options = state.logger_options(cfg.logger, resume_step)
+        logger = instantiate(cfg.logger, save_dir=str(self.paths.root), **logger_options) if cfg.logger else False
+        callbacks = [self.target, self.perf, self.interruption, *configured_callbacks(cfg, self.paths.root)]
+        if cfg.trainer.enable_progress_bar:
+            callbacks.append(LogStepProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
+        return instantiate(
+            cfg.trainer,
+            callbacks=callbacks,
+            logger=logger,
+            plugins=[AtomicCheckpointIO(), *slurm.plugins()],
+            default_root_dir=self.paths.root,
+        )
+
+    def fit(self) -> dict:
+        status = "failed"
+        try:
+            with ranks_join_this_job():
+                self.trainer.fit(self.module, datamodule=self.data, ckpt_path=self.ckpt_path)
+            status = "completed"
+        except Interrupted as stop:
+            status = None if stop.checkpoint is None else "interrupted"  # None: before training, nothing to record
+            raise
+        except torch.OutOfMemoryError as err:
+            raise out_of_memory(err, self.cfg.data.batch_size, self.cfg.trainer.accumulate_grad_batches) from None
+        finally:
+            if status is not None:
+                self.metrics = self.finish(status)
+        return self.metrics
+
+    def finish(self, status: str) -> dict:
+        trainer, module, data = self.trainer, self.module, self.data
+        train_loss = getattr(module, "last_loss", None)  # the last step's, logged or not
+        # A failed run's weights may be unusable (diverged), and after running out of memory, measuring them could
+        # run out again: its fit is left blank.
+        fit = final_figures(module.net, data) if status != "failed" else {"optimal_val_mse": data.optimal_val_mse}
+        metrics = record(
+            **run_record(trainer, status, self.cfg.data.batch_size),
+            **fit,
+            train_loss=None if train_loss is None else train_loss.item(),
+            **self.perf.summary,
+            **self.target.summary,
+            **early_stop_record(trainer),
+            data_device=str(data.x_train.device),
+            data_pinned=data.pins_batches,
+            wall_time_s=time.time() - self.started,
+        )
+        if trainer.is_global_zero:
+            write_metrics(self.paths.metrics, metrics)
+            log_hparams(trainer, self.cfg, metrics)
+            print_summary(metrics, self.paths.root)
+        return metrics
+
+
+def log_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: dict) -> None:
+    """The run's config with its final figures, for TensorBoard's hparams tab."""
+    params = OmegaConf.to_container(cfg, resolve=True)
+    final = {f"final/{k}": v for k, v in metrics.items() if isinstance(v, float)}
+    for logger in trainer.loggers:
+        if isinstance(logger, TensorBoardLogger):
+            # At the last step, not 0: a resumed run's TensorBoard file purges the interrupted one's from there on.
+            logger.log_hyperparams(params, final, step=trainer.global_step)
+        else:
+            logger.log_hyperparams(params)
+        logger.finalize(metrics["status"])
+
+
+def run_sweep_job(cfg: DictConfig) -> dict:
+    """One job of a multirun. It raises, never exits: Hydra records a job that raises as failed and runs the
+    others (a SystemExit would end the whole sweep), then re-raises the first failure, so the sweep exits 1."""
+    hydra_cfg = HydraConfig.get()
+    if cfg.logger and cfg.logger._target_.endswith("TensorBoardLogger"):
+        # Name the job's TensorBoard run after its overrides, so `tensorboard --logdir <sweep dir>` tells
+        # the jobs apart (`<job num>/tensorboard/data.batch_size=64,...`).
+        cfg.logger.version = hydra_cfg.job.override_dirname
+    metrics = train(cfg, Path(hydra_cfg.runtime.output_dir))
+    if metrics["status"] != "completed":
+        raise RuntimeError(f"the run ended {metrics['status']} (see its metrics.json)")
+    return metrics
+
+
+def main(cfg: DictConfig) -> float:
+    # Exit codes (experiments.run.exits, README "Failures and resuming"): 0 completed, 1 failed, 2 bad input,
+    # 128 + the signal's number when interrupted; experiments.commands.entry turns errors and signals into them.
+    if HydraConfig.get().mode == RunMode.MULTIRUN:
+        metrics = run_sweep_job(cfg)
+    else:
+        metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    return metrics["val_mse"]  # the objective that a search minimizes (hparams_search=optuna)

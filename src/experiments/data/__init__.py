@@ -1,0 +1,6 @@
+"""The data sources of `conf/data/`: their `_target_`s (and those stored in checkpoints) name them here."""
+
+from experiments.data.files import FileRegression
+from experiments.data.synthetic import SyntheticRegression
+
+__all__ = ["FileRegression", "SyntheticRegression"]

@@ -1,0 +1,78 @@
+"""A signal stops a run at an optimizer-step boundary and saves the exact position there."""
+
+import signal
+from contextlib import AbstractContextManager
+
+import lightning as L
+from lightning.pytorch.callbacks import Callback
+
+from experiments import internals
+from experiments.log_steps import ends_optimizer_step
+from experiments.run.signals import Interrupted, handling_signals, install
+
+
+class Interruption(Callback):
+    """A signal of SIGNALS stops the run at the next optimizer-step boundary, saves the exact position there
+    and raises `Interrupted` (exit 128 + the signal's number); at every moment of the run:
+
+    - before training starts (the data is made, the ranks start): the run stops at once, nothing saved;
+    - while training, validation included: at the next optimizer-step boundary; when the signal comes in
+      the last validation, after it, when training ends (the saved position is the end);
+    - after training (the final figures are written): the records are completed, then the run stops.
+
+    `handling()` installs the handlers for the whole run; Lightning registers its own SIGTERM handler just
+    before its loops start (keeping ours inside its chain, but its own raises `SIGTERMException` after
+    whatever micro-batch is running, dropping the gradients of a half-accumulated step, and exits 0), so
+    `on_train_start` puts ours back, and Lightning's teardown restores ours when fit ends. SIGINT would
+    otherwise be a KeyboardInterrupt anywhere, mid optimizer step included, which Lightning turns into
+    exit 1. The stop point is `on_train_batch_end`, where ModelCheckpoint's `every_n_train_steps` saves
+    and Lightning's loops know how to resume mid-epoch; the data loader's position travels in the
+    checkpoint too (`BatchLoader.state_dict`).
+
+    Ranks agree on the step to stop at through one small all-reduce per optimizer step, only when there is
+    more than one rank: a signal reaches one rank (`kill` of the launching process) or all of them at
+    slightly different times (Ctrl-C), and `save_checkpoint` is a collective that every rank must enter.
+    """
+
+    def __init__(self, checkpoint: str):
+        self.checkpoint = checkpoint
+        self.signum: int | None = None
+        self.phase = "setup"  # setup, training, finished
+
+    def handling(self) -> AbstractContextManager:
+        return handling_signals(self._record)
+
+    def _record(self, signum: int, frame) -> None:
+        if self.phase == "setup":
+            raise Interrupted(signum, None)
+        self.signum = self.signum or signum
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        install(self._record)  # over Lightning's own SIGTERM handler (see above)
+        self.phase = "training"
+
+    def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
+        if ends_optimizer_step(trainer):  # mid accumulation, the gradients gathered so far would not be saved
+            self._stop_if_asked(trainer, mid_step=True)
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self._stop_if_asked(trainer)  # a signal during the last validation
+        self.phase = "finished"
+
+    def _stop_if_asked(self, trainer: L.Trainer, mid_step: bool = False) -> None:
+        stop = self.signum is not None
+        if trainer.world_size > 1:
+            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
+        if stop:
+            self.phase = "finished"
+            if mid_step:
+                # Lightning writes this step's logged metrics only after this hook: write them now, or the step
+                # would be missing from the curves of the resumed run (it starts at the next step).
+                internals.write_step_metrics_now(trainer)
+            trainer.save_checkpoint(self.checkpoint)
+            raise Interrupted(self.signum or signal.SIGTERM, self.checkpoint)
+
+    def raise_if_signalled(self) -> None:
+        """After the run's records are written: a signal that came after training ends the command now."""
+        if self.signum is not None:
+            raise Interrupted(self.signum, self.checkpoint)

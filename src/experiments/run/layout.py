@@ -1,0 +1,63 @@
+"""Where everything lives inside a run dir and a sweep dir: the one spelling of the layout (README, Outputs)."""
+
+from dataclasses import dataclass
+from pathlib import Path
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """The files of one run (`hydra.run.dir`) or one job of a sweep (`<sweep dir>/<job num>`)."""
+
+    root: Path
+
+    def __post_init__(self):
+        object.__setattr__(self, "root", Path(self.root))
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.root / "checkpoints"
+
+    @property
+    def last_checkpoint(self) -> Path:  # what a resume, `ckpt_path=last` and a signal's save use
+        return self.checkpoints / "last.ckpt"
+
+    @property
+    def metrics(self) -> Path:
+        return self.root / "metrics.json"
+
+    @property
+    def run_config(self) -> Path:  # the config the run trains with (experiments.run.state)
+        return self.root / "run.yaml"
+
+    @property
+    def hydra(self) -> Path:  # Hydra's own record of the composed config
+        return self.root / ".hydra"
+
+    @property
+    def hydra_copy(self) -> Path:  # the run's copy of `.hydra/`, put back when a start changes nothing
+        return self.root / ".run-hydra"
+
+    @property
+    def job_record(self) -> Path:  # a sweep job's status and error as Hydra saw them (experiments.sweeps)
+        return self.root / "job.json"
+
+
+@dataclass(frozen=True)
+class SweepPaths:
+    """The files a sweep dir holds besides its jobs' dirs."""
+
+    root: Path
+
+    @property
+    def results(self) -> Path:
+        return Path(self.root) / "results.csv"
+
+    @property
+    def results_lock(self) -> Path:
+        return Path(self.root) / ".results.lock"
+
+
+def run_of_checkpoint(checkpoint: Path) -> RunPaths | None:
+    """The run dir a checkpoint sits in (`<run>/checkpoints/<name>.ckpt`); None for a file elsewhere."""
+    checkpoint = Path(checkpoint)
+    return RunPaths(checkpoint.parent.parent) if checkpoint.parent.name == "checkpoints" else None

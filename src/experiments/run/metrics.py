@@ -1,0 +1,147 @@
+"""metrics.json, written once: its schema (`Metrics`: every key, its type, unit and meaning) and the parts of a
+run's final record that come from the trainer and the weights.
+
+`python -m experiments.run.metrics` prints the schema as the Markdown table of docs/metrics.md.
+"""
+
+import dataclasses
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import lightning as L
+import torch
+from lightning.pytorch.strategies import DDPStrategy, Strategy
+from torchmetrics.functional import mean_absolute_error, mean_squared_error, r2_score
+
+from experiments import internals
+from experiments.run.files import write_atomic
+
+
+def key(unit: str, meaning: str):
+    """A field of `Metrics`: null (None) when the run did not measure it."""
+    return field(default=None, metadata={"unit": unit, "meaning": meaning})
+
+
+@dataclass
+class Metrics:
+    """The keys of metrics.json, in the groups the docs show them in. Building one refuses an unknown key."""
+
+    # how the run ended
+    status: str = key("", "completed, failed or interrupted")
+    # the fit
+    val_mse: float = key("", "validation mean squared error of the final weights")
+    val_mae: float = key("", "validation mean absolute error of the final weights")
+    val_r2: float = key("", "validation R² of the final weights")
+    optimal_val_mse: float = key("", "validation MSE of the exact least-squares fit on the training split")
+    optimum_distance: float = key("", "relative distance of the weights to that fit (a Linear model only)")
+    train_loss: float = key("", "the last training step's loss")
+    # the speed, in steady state (after 5 warm-up steps, validation left out)
+    samples_per_sec: float = key("samples/s", "training throughput")
+    step_time_ms: float = key("ms", "time of one micro-step (one global batch)")
+    data_ms: float = key("ms", "part of a step: forming the batch")
+    transfer_ms: float = key("ms", "part of a step: copying the batch to the device (0 on the CPU or device-resident)")
+    compute_ms: float = key("ms", "part of a step: forward, backward and optimizer update")
+    framework_ms: float = key("ms", "part of a step: the rest (Lightning's loop, hooks, callbacks, logging)")
+    peak_memory_mb: float = key("MiB", "CUDA's peak allocation on a GPU; the process's peak resident memory on the CPU")
+    # where and how it ran
+    accelerator: str = key("", "cpu, cuda, mps")
+    strategy: str = key("", "Lightning's name of the strategy: single_device, ddp, ddp_spawn, dp, ...")
+    devices: int = key("", "devices per node")
+    num_nodes: int = key("", "nodes")
+    world_size: int = key("", "ranks (devices x nodes; 1 for dp)")
+    precision: str = key("", "trainer.precision as Lightning ran it")
+    global_batch_size: int = key("samples", "data.batch_size: the global batch of one micro-step")
+    effective_batch_size: int = key("samples", "samples per optimizer step: global batch x accumulation")
+    accumulate_grad_batches: int = key("", "micro-steps per optimizer step")
+    global_step: int = key("", "optimizer steps taken")
+    epochs: int = key("", "epochs completed (Lightning's current_epoch)")
+    data_device: str = key("", "where the data was held: cpu, cuda:0, ...")
+    data_pinned: bool = key("", "whether batches were gathered into pinned memory")
+    # time to quality
+    target_mse: float = key("", "target.mse_ratio x optimal_val_mse")
+    time_to_target_s: float = key("s", "training time to the first validation at or under target_mse")
+    steps_to_target: int = key("", "optimizer steps to it")
+    samples_to_target: int = key("samples", "samples to it")
+    epochs_to_target: float = key("", "epochs to it")
+    stopped_at_target: bool = key("", "true when target.stop=true ended the run there")
+    # early stopping (callbacks=early_stopping)
+    stopped_epoch: int = key("", "the epoch at which EarlyStopping stopped the run")
+    stop_reason: str = key("", "why, as EarlyStopping recorded it (e.g. patience_exhausted)")
+    stop_message: str = key("", "EarlyStopping's own sentence")
+    # the time
+    startup_s: float = key(
+        "s", "from the start (of the process for its first run, of the job for later ones) to the first step"
+    )
+    wall_time_s: float = key("s", "from the same start to the end of the run")
+
+
+NAMES = [f.name for f in dataclasses.fields(Metrics)]
+
+
+def record(**values) -> dict:
+    """The metrics.json record of `values`, every key of the schema present (null where not measured)."""
+    return dataclasses.asdict(Metrics(**values))
+
+
+def write_metrics(path: Path, metrics: dict) -> None:
+    write_atomic(path, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
+
+
+def markdown_table() -> str:
+    rows = ["| key | type | unit | meaning |", "|---|---|---|---|"]
+    for f in dataclasses.fields(Metrics):
+        type_name = getattr(f.type, "__name__", str(f.type))
+        rows.append(f"| `{f.name}` | {type_name} | {f.metadata['unit']} | {f.metadata['meaning']} |")
+    return "\n".join(rows) + "\n"
+
+
+def final_figures(net: torch.nn.Module, data) -> dict[str, float]:
+    """Validation fit of the final weights, and their distance to the exact least-squares optimum."""
+    device = next(net.parameters()).device
+    with torch.no_grad():
+        pred = net(data.x_val.to(device)).float().cpu()
+    y_val = data.y_val.cpu()  # on the GPU when data.on_device kept it there
+    figures = {
+        "val_mse": mean_squared_error(pred, y_val).item(),
+        "val_mae": mean_absolute_error(pred, y_val).item(),
+        "val_r2": r2_score(pred, y_val).item(),
+        "optimal_val_mse": data.optimal_val_mse,
+    }
+    if isinstance(net, torch.nn.Linear):
+        w, b = data.optimum
+        fitted = torch.cat([net.weight.detach().cpu().double().T, net.bias.detach().cpu().double()[None]])
+        optimum = torch.cat([w, b[None]])
+        figures["optimum_distance"] = (torch.linalg.norm(fitted - optimum) / torch.linalg.norm(optimum)).item()
+    return figures
+
+
+def strategy_name(strategy: Strategy) -> str:
+    """Lightning's registry name of the strategy: single_device, dp, ddp, ddp_spawn, ..."""
+    if isinstance(strategy, DDPStrategy):  # one class behind ddp, ddp_spawn and ddp_fork
+        method = internals.ddp_start_method(strategy)
+        return "ddp" if method == "popen" else f"ddp_{method}"
+    return getattr(strategy, "strategy_name", type(strategy).__name__)
+
+
+def run_record(trainer: L.Trainer, status: str, global_batch_size: int) -> dict:
+    """Where and how the run ran."""
+    return {
+        "status": status,
+        "accelerator": type(trainer.accelerator).__name__.removesuffix("Accelerator").lower(),
+        "strategy": strategy_name(trainer.strategy),
+        "devices": trainer.num_devices,
+        "num_nodes": trainer.num_nodes,
+        "world_size": trainer.world_size,
+        "global_batch_size": global_batch_size,
+        "effective_batch_size": global_batch_size * trainer.accumulate_grad_batches,
+        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+        "precision": str(trainer.precision),
+        "global_step": trainer.global_step,
+        "epochs": trainer.current_epoch,
+    }
+
+
+if __name__ == "__main__":
+    sys.stdout.write(markdown_table())
