@@ -1,7 +1,8 @@
 """metrics.json, written once: its schema (`Metrics`: every key, its type, unit and meaning) and the parts of a
 run's final record that come from the trainer and the weights.
 
-`python -m experiments.run.metrics` prints the schema as the Markdown table of docs/metrics.md.
+docs/metrics.md is made from it: `python -m experiments.run.metrics > docs/metrics.md` (tests/test_docs.py fails
+when the two differ).
 """
 
 import dataclasses
@@ -89,6 +90,25 @@ def write_metrics(path: Path, metrics: dict) -> None:
     write_atomic(path, json.dumps(metrics, indent=2, sort_keys=True) + "\n")
 
 
+PAGE_HEAD = """# metrics.json
+
+Every run writes `<run dir>/metrics.json` when it ends, whether it completed, failed or was interrupted: rank 0
+only, atomically. Every key below is always there, null where the run did not measure it (the `*_to_target`
+keys when the target was never reached; `stopped_epoch`, `stop_reason` and `stop_message` without
+`callbacks=early_stopping`). The speed figures are steady-state values: after 5 warm-up steps, validation left
+out ([speed.md](speed.md)). A sweep's results.csv has one column per key ([sweeps.md](sweeps.md#resultscsv)).
+
+This page is made from the schema, `experiments.run.metrics.Metrics`: `python -m experiments.run.metrics >
+docs/metrics.md`.
+
+"""
+
+
+def markdown_page() -> str:
+    """docs/metrics.md."""
+    return PAGE_HEAD + markdown_table()
+
+
 def markdown_table() -> str:
     rows = ["| key | type | unit | meaning |", "|---|---|---|---|"]
     for f in dataclasses.fields(Metrics):
@@ -144,4 +164,4 @@ def run_record(trainer: L.Trainer, status: str, global_batch_size: int) -> dict:
 
 
 if __name__ == "__main__":
-    sys.stdout.write(markdown_table())
+    sys.stdout.write(markdown_page())
