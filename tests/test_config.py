@@ -1,10 +1,12 @@
 import fnmatch
 import inspect
 import re
+import shlex
 from pathlib import Path
 
 import pytest
 from conftest import compose_config
+from hydra import compose, initialize_config_dir
 from hydra.utils import get_method, get_object
 from omegaconf import OmegaConf
 
@@ -119,11 +121,67 @@ def test_seed_experiments_match_the_seed():
         assert cfg.optimizer.lr == 0.01 and cfg.trainer.max_epochs == 100
 
 
-def test_every_runnable_config_starts_with_its_command():
-    for path in (Path(CONFIG_DIR) / "experiment").glob("*.yaml"):
-        # Hydra reads a package header only on the very first lines; the command comes right after it.
-        lines = [line for line in path.read_text().splitlines() if not line.startswith("# @package")]
-        assert lines[0].startswith("# python train.py "), path
-        # `experiment=NAME`, or a sweep `experiment=glob(PATTERN)` over this file or the variants built on it.
-        selected = re.search(r"experiment=(?:glob\()?([\w*?]+)", lines[0])
-        assert selected and (fnmatch.fnmatch(path.stem, selected[1]) or selected[1].startswith(path.stem)), path
+# The config each entry script composes (experiments.commands.entry.command(config_name, ...) in the script).
+SCRIPT_CONFIG = {"train.py": "config", "eval.py": "eval", "predict.py": "predict"}
+# Options that a user runs: each starts with the command that runs it (style.md).
+RUNNABLE = ["experiment", "callbacks", "scheduler", "optimizer", "debug", "hparams_search", "eval.yaml", "predict.yaml"]
+OPTIONS = sorted(p.relative_to(CONFIG_DIR).as_posix() for p in Path(CONFIG_DIR).glob("**/*.yaml"))
+
+
+def header_command(path: Path) -> tuple[str, list[str]] | None:
+    """The command on a YAML's first line (after a package header), `# python SCRIPT [-m] OVERRIDES  (a remark)`:
+    the config its script composes and the overrides, the optional [ones] included and a <placeholder> filled in;
+    None when it has none."""
+    first = next(line for line in path.read_text().splitlines() if not line.startswith("# @package"))
+    if not first.startswith("# python "):
+        return None
+    command = re.sub(r"<\w+>", "x", first[2:].split("  (")[0]).replace("[", "").replace("]", "")
+    script, *args = shlex.split(command)[1:]
+    return SCRIPT_CONFIG[script], [a for a in args if a != "-m"]
+
+
+def jobs_of(overrides: list[str]) -> list[list[str]]:
+    """One override list per job: `group=glob(PATTERN)` expands, as Hydra's sweeper does, to every matching option."""
+    jobs = [[]]
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if value.startswith("glob("):
+            matches = [o for o in _options(key) if fnmatch.fnmatch(o, value[5:-1])]
+            assert matches, override
+            jobs = [job + [f"{key}={m}"] for job in jobs for m in matches]
+        else:
+            jobs = [job + [override] for job in jobs]
+    return jobs
+
+
+def leaves(tree, prefix: str = "") -> dict:
+    if not isinstance(tree, dict):
+        return {prefix: tree}
+    return {k: v for key, sub in tree.items() for k, v in leaves(sub, f"{prefix}.{key}".lstrip(".")).items()}
+
+
+@pytest.mark.parametrize("option", [o for o in OPTIONS if o != "config.yaml"])
+def test_the_command_on_an_options_first_line_runs_that_option(option):
+    """The command a YAML file starts with composes, and the config it composes holds every value of that file
+    (but those its own overrides set): the command selects this option, under a key or name it still has."""
+    path = Path(CONFIG_DIR) / option
+    command = header_command(path)
+    if command is None:
+        assert not any(option == r or option.startswith(f"{r}/") for r in RUNNABLE), f"{option}: no command"
+        return
+    config_name, overrides = command
+    package = re.search(r"^# @package (\S+)", path.read_text(), flags=re.MULTILINE)
+    package = package[1] if package else str(Path(option).parent).replace("/", ".").strip(".")
+    own = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    own.pop("defaults", None)
+    expected = leaves(own, "" if package == "_global_" else package)
+    # The keys the command sets itself; `group=option` (and hydra/launcher=...) chooses an option, it sets no key.
+    keys = [o.lstrip("+~").split("=")[0] for o in overrides]
+    set_by_command = [k for k in keys if "/" not in k and not (Path(CONFIG_DIR) / k).is_dir()]
+    for job in jobs_of(overrides):
+        with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+            cfg = compose(config_name, overrides=job, return_hydra_config=True)
+        composed = leaves(OmegaConf.to_container(cfg, resolve=False))
+        for key, value in expected.items():
+            if not any(key == k or key.startswith(f"{k}.") for k in set_by_command):
+                assert composed.get(key, "<absent>") == value, f"{option}: {' '.join(job)} gives {key}"

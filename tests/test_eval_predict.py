@@ -263,11 +263,6 @@ def test_cli_bad_input_exits_2_with_one_line_and_writes_nothing(trained, tmp_pat
         assert not out.exists()
 
 
-def test_entry_configs_start_with_their_command():
-    for name in ("eval", "predict"):
-        assert (Path(CONFIG_DIR) / f"{name}.yaml").read_text().startswith(f"# python {name}.py ckpt_path="), name
-
-
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_eval_and_predict_on_a_gpu(trained, tmp_path):
     figures = evaluate_in_process(f"ckpt_path={trained['ckpt']}", "trainer.accelerator=gpu")

@@ -31,13 +31,6 @@ MENU = ["callbacks", "scheduler", "optimizer", "debug", "hparams_search"]
 STEPS = 8  # optimizer steps per TINY epoch: 512 training samples, batch 64
 
 
-def test_every_menu_option_starts_with_the_command_that_runs_it():
-    for group in MENU:
-        for path in (Path(CONFIG_DIR) / group).glob("*.yaml"):
-            lines = [line for line in path.read_text().splitlines() if not line.startswith("# @package")]
-            assert lines[0].startswith("# python train.py ") and f"{group}={path.stem}" in lines[0], path
-
-
 def lr_points(run_dir: Path) -> list[float]:
     return [point.value for point in EventAccumulator(str(run_dir / "tensorboard")).Reload().Scalars("train/lr")]
 

@@ -60,11 +60,26 @@ def test_seeded_losses_equal_the_stored_numbers(run_in_process):
     torch.testing.assert_close(torch.tensor(losses), torch.tensor(PINNED_LOSSES))
 
 
-def test_accumulation_multiplies_the_effective_batch(run_in_process):
+def test_effective_batch_is_what_each_optimizer_step_consumed(run_in_process, monkeypatch):
+    # Count what the run really did: the samples its training steps received, and its optimizer updates.
+    samples, updates = [], []
+    training_step, optimizer_step = Regressor.training_step, Regressor.optimizer_step
+
+    def counted_training_step(self, batch, batch_idx):
+        samples.append(len(batch[0]))
+        return training_step(self, batch, batch_idx)
+
+    def counted_optimizer_step(self, *args, **kwargs):
+        updates.append(1)
+        return optimizer_step(self, *args, **kwargs)
+
+    monkeypatch.setattr(Regressor, "training_step", counted_training_step)
+    monkeypatch.setattr(Regressor, "optimizer_step", counted_optimizer_step)
     metrics, _ = run_in_process("trainer.accumulate_grad_batches=4", "logger=none")
-    assert metrics["global_batch_size"] == 64
-    assert metrics["effective_batch_size"] == 4 * metrics["global_batch_size"]
-    assert metrics["global_step"] == 2 * (512 // 64) // 4
+    assert sum(samples) == 2 * 512  # two epochs of the 512-sample training split, in whole batches of 64
+    assert set(samples) == {metrics["global_batch_size"]} == {64}
+    assert len(updates) == metrics["global_step"] == 4
+    assert metrics["effective_batch_size"] * metrics["global_step"] == sum(samples)
 
 
 def test_tiny_run_reaches_the_optimum(run_in_process):
@@ -75,14 +90,15 @@ def test_tiny_run_reaches_the_optimum(run_in_process):
     assert metrics["optimum_distance"] < 0.05
 
 
-@pytest.mark.parametrize("experiment", ["seed_small", "seed_large"])
-def test_seed_experiments_run(run_in_process, experiment):
+@pytest.mark.parametrize(("experiment", "samples"), [("seed_small", 10), ("seed_large", 1000)])
+def test_seed_experiments_run(run_in_process, experiment, samples):
     metrics, _ = run_in_process(
         f"experiment={experiment}", "logger=none", "trainer.enable_progress_bar=false", tiny=False
     )
     assert metrics["status"] == "completed"
-    assert metrics["global_step"] == 100  # 100 full-batch epochs
-    assert metrics["global_batch_size"] == metrics["effective_batch_size"]
+    # The seed's examples: 100 full-batch epochs of all its samples (nothing held out), one update each.
+    assert metrics["global_step"] == metrics["epochs"] == 100
+    assert metrics["effective_batch_size"] * metrics["global_step"] == 100 * samples
 
 
 def test_failed_and_interrupted_runs_have_every_key_too(tmp_path, monkeypatch):
