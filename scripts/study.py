@@ -1,11 +1,13 @@
 """The seed's five pieces of advice as measured, re-runnable results: runs the study sweeps, writes docs/study.md.
 
     python scripts/study.py                    # every claim: about 10 minutes on 2 CPU cores
-    python scripts/study.py --only batch       # one claim: transfer, batch, memory, scaling, accumulation
+    python scripts/study.py --only batch       # one claim (transfer, batch, memory, scaling, accumulation,
+                                               # target): its section replaced, the others kept as they are
 
 Each claim is one or two Hydra multiruns of conf/experiment/study_*.yaml (outputs/study/<time>/<claim>/),
-read back through results.csv's sources (experiments.sweeps) and drawn with experiments.reports. Every
-conclusion in docs/study.md is computed from the numbers of this run. Claims about GPUs are marked
+read back through results.csv's sources (experiments.sweeps) and drawn with experiments.reports. Each claim is
+one section of docs/study.md, between markers (<!-- study:CLAIM begin --> ... end), that says which run wrote
+it; every conclusion in a section is computed from the numbers of that run. Claims about GPUs are marked
 unverified unless a GPU ran them; with CUDA present the sweeps add the GPU (and larger sizes).
 """
 
@@ -13,6 +15,7 @@ import argparse
 import datetime
 import os
 import platform
+import re
 import subprocess
 import sys
 import time
@@ -337,7 +340,12 @@ def machine() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--only", choices=list(SWEEPS), action="append", help="run only these claims")
+    parser.add_argument(
+        "--only",
+        choices=list(SWEEPS),
+        action="append",
+        help="run these claims alone: their sections of --out are replaced, the others kept",
+    )
     parser.add_argument("--out", type=Path, default=DOCS / "study.md", help="the markdown file to write")
     parser.add_argument("--threads", type=int, default=1, help="intra-op CPU threads per process (default 1)")
     args = parser.parse_args()
@@ -346,7 +354,7 @@ def main() -> None:
     study_dir = ROOT / "outputs" / "study" / stamp
     started = time.perf_counter()
 
-    parts = []
+    sections = {}
     for claim in claims:
         results = [run_sweep(sweep, study_dir, args.threads) for sweep in SWEEPS[claim]]
         out = args.out.parent / "study" / claim
@@ -354,41 +362,86 @@ def main() -> None:
         # repeats are minutes apart): their medians stand for it.
         jobs = median_of_repeats([job for sweep_jobs, _ in results for job in sweep_jobs])
         if claim == "transfer":
-            sections, lines, verified = transfer_claim(jobs, out)
+            found = transfer_claim(jobs, out)
         elif claim == "batch":
-            sections, lines, verified = batch_claim(jobs, out)
+            found = batch_claim(jobs, out)
         elif claim == "memory":
-            sections, lines, verified = memory_claim(jobs, out)
+            found = memory_claim(jobs, out)
         elif claim == "scaling":
-            sections, lines, verified = scaling_claim(jobs, out)
+            found = scaling_claim(jobs, out)
         elif claim == "target":
-            sections, lines, verified = target_claim(jobs, out)
+            found = target_claim(jobs, out)
         else:
-            sections, lines, verified = accumulation_claim(results[0][0], median_of_repeats(results[1][0]), out)
-        parts.append(render_claim(claim, results, sections, lines, verified, args.out.parent))
+            found = accumulation_claim(results[0][0], median_of_repeats(results[1][0]), out)
+        sections[claim] = (results, *found)
 
+    command = "python scripts/study.py" + "".join(f" --only {claim}" for claim in args.only or [])
     minutes = (time.perf_counter() - started) / 60
-    header = (
-        "# The seed's advice, measured\n\n"
-        "Written by `python scripts/study.py` (do not edit by hand); every number and conclusion below comes "
-        f"from the run of {datetime.date.today()}, which took {minutes:.1f} minutes on: {machine()}.\n\n"
-        "Speeds are from one machine shared with other work: each is the median of three repeats (seeds 0, 1, "
-        "2, run minutes apart); compare the rows of one table (same run), not absolute figures between runs. "
-        "Each job's full record is in `results.csv` of its sweep dir, "
-        f"`outputs/study/{stamp}/<claim>/`, and `python scripts/report.py <that dir>` draws all its plots.\n\n"
-        f"Every process ran with {args.threads} intra-op CPU thread{'s' if args.threads > 1 else ''} "
-        f"(OMP_NUM_THREADS={args.threads}, `--threads`): on a machine whose cores other work also uses, a step "
-        "split over two threads waits for the busier core, which makes small batches erratic; with one thread "
-        "per process, DDP x2 is two cores against one.\n"
+    run = (
+        f"From the run of {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC (`{command}`, "
+        f"{minutes:.1f} minutes) on: {machine()}; {args.threads} intra-op CPU thread{'s' if args.threads > 1 else ''} "
+        f"per process; its sweep dirs under `outputs/study/{stamp}/`."
     )
-    write_atomic(args.out, "\n".join([header, *parts]))
+    new = {claim: render_claim(claim, *found, args.out.parent, run) for claim, found in sections.items()}
+    write_atomic(args.out, splice(args.out.read_text() if args.out.exists() else "", new))
     print(args.out)
 
 
-def render_claim(claim, results, sections, lines, verified, relative_to: Path) -> str:
-    text = [f"## {TITLES[claim]}\n", f"The seed: *{SEED_SAYS[claim]}*\n", "Sweeps:\n"]
+HEADER = """# The seed's advice, measured
+
+Written by `python scripts/study.py`, which runs the sweeps of every section below; `python scripts/study.py
+--only CLAIM` runs one section's sweeps again and replaces that section alone, keeping the others, so the
+sections may come from different runs. Each section says which run it comes from, on what machine, and how many
+repeats stand behind its figures; every number and conclusion in it is computed from that run. Do not edit a
+section by hand: the next run of its claim replaces it.
+
+Speeds are from machines shared with other work: compare the rows of one table (one run), not absolute figures
+between sections. Each job's full record is in `results.csv` of its sweep dir, and `python scripts/report.py
+<that dir>` draws all its plots. `--threads` (default 1) sets every process's intra-op CPU threads
+(OMP_NUM_THREADS): on a machine whose cores other work also uses, a step split over two threads waits for the
+busier core, which makes small batches erratic; with one thread per process, DDP x2 is two cores against one.
+"""
+SECTION = re.compile(r"<!-- study:(\w+) begin -->\n(.*?)\n<!-- study:\1 end -->", re.DOTALL)
+
+
+def sections_of(text: str) -> dict[str, str]:
+    """The sections of a study file by claim: the text between each claim's begin and end markers."""
+    found = {claim: body for claim, body in SECTION.findall(text)}
+    begun = re.findall(r"<!-- study:(\w+) begin -->", text)
+    if sorted(begun) != sorted(found) or not set(found) <= set(TITLES):
+        raise ValueError(f"the study file's markers do not pair up with known claims: {begun}")
+    return found
+
+
+def splice(old: str, new: dict[str, str]) -> str:
+    """The study file: the header, then every claim's section in the order of TITLES, from `new` where it was
+    run now, else as `old` (the file as it was) has it; a claim in neither is left out."""
+    kept = sections_of(old) | new
+    body = [f"<!-- study:{c} begin -->\n{kept[c].strip()}\n<!-- study:{c} end -->\n" for c in TITLES if c in kept]
+    return "\n".join([HEADER, *body])
+
+
+def repeats_line(results: list[tuple[list[Job], str]]) -> str:
+    """How many jobs stand behind each figure, counted in each sweep's own jobs."""
+    counts = []
+    for sweep_jobs, _ in results:
+        repeats = sorted({job.metrics["repeats"] for job in median_of_repeats(sweep_jobs)})
+        if not repeats:
+            counts.append("no job completed")
+        elif repeats == [1]:
+            counts.append("one job per configuration, no repeats")
+        else:
+            n = str(repeats[0]) if len(repeats) == 1 else f"{repeats[0]} to {repeats[-1]}"
+            counts.append(f"{n} repeats per configuration (seeds), each speed their median")
+    if len(counts) == 1:
+        return f"Repeats: {counts[0]}."
+    return "Repeats: " + "; ".join(f"sweep {i}, {count}" for i, count in enumerate(counts, 1)) + "."
+
+
+def render_claim(claim, results, sections, lines, verified, relative_to: Path, run: str) -> str:
+    text = [f"## {TITLES[claim]}\n", f"The seed: *{SEED_SAYS[claim]}*\n", f"{run}\n", "Sweeps:\n"]
     text += [f"    {typed}" for _, typed in results]
-    text.append("")
+    text.append(f"\n{repeats_line(results)}\n")
     for s in sections:
         if s.plot:
             text.append(f"![{s.title}]({s.plot.relative_to(relative_to)})\n")

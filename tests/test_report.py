@@ -120,6 +120,47 @@ def test_repeats_differing_only_in_seed_become_their_median(tmp_path):
     assert merged[0].metrics["step_time_ms"] == pytest.approx(1e3 * 64 / 400.0)
 
 
+def test_only_one_claim_replaces_its_section_and_keeps_the_others():
+    """`study.py --only batch`: the file's other sections stay byte for byte, in their order, under a header that
+    says the sections may come from different runs."""
+    study = load_study()
+    old = (ROOT / "docs" / "study.md").read_text()
+    before = study.sections_of(old)
+    assert list(before) == list(study.TITLES)  # every claim, in order, between its markers
+    batch = f"## {study.TITLES['batch']}\n\nFrom the run of today.\n\nnew figures"
+    new = study.splice(old, {"batch": batch})
+    assert study.sections_of(new) == before | {"batch": batch}
+    assert all(before[claim] in new for claim in study.TITLES if claim != "batch")
+    assert new.startswith(study.HEADER) and new.count("# The seed's advice, measured") == 1
+    assert study.splice(new, {"batch": before["batch"]}) == study.splice(old, {})  # the same file back
+    # A file with one claim only (another --out) gains the next one, in the order of the claims.
+    one = study.splice("", {"target": "## (f)"})
+    assert list(study.sections_of(study.splice(one, {"batch": batch}))) == ["batch", "target"]
+
+
+def test_a_section_whose_markers_do_not_pair_is_refused():
+    study = load_study()
+    broken = study.splice("", {"batch": "## (b)"}).replace("<!-- study:batch end -->", "")
+    with pytest.raises(ValueError, match="markers"):
+        study.splice(broken, {"target": "## (f)"})
+
+
+def test_each_section_says_how_many_repeats_stand_behind_it(tmp_path):
+    def job(num, seed, batch):
+        settings = {"seed": str(seed), "data.seed": str(seed), "data.batch_size": str(batch)}
+        metrics = {"status": "completed", "samples_per_sec": 1.0, "step_time_ms": 1.0}
+        return Job(tmp_path / str(num), num, [], "completed", metrics=metrics, settings=settings)
+
+    study = load_study()
+    repeated = [job(n, seed, batch) for n, (seed, batch) in enumerate((s, b) for s in range(3) for b in (64, 128))]
+    once = [job(0, 0, 64), job(1, 0, 128)]
+    three = "3 repeats per configuration (seeds), each speed their median"
+    assert study.repeats_line([(repeated, "")]) == f"Repeats: {three}."
+    assert study.repeats_line([(once, ""), (repeated, "")]) == (
+        f"Repeats: sweep 1, one job per configuration, no repeats; sweep 2, {three}."
+    )
+
+
 def test_plots_show_the_runs_numbers(sweep, tmp_path, monkeypatch):
     # The data behind each plot, read from the figure as it is saved: each loss curve is its job's
     # train/loss as TensorBoard's reader gives it; each throughput point a job's metrics.json.

@@ -184,8 +184,10 @@ def xy_section(
     xlabel: str,
     ylabel: str,
     filename: str,
+    shown: tuple[str, ...] = (),
 ) -> Section:
-    """One metric against another, a line per series; skipped when no series has two x values."""
+    """One metric against another, a line per series; skipped when no series has two x values. The table adds
+    the metrics `shown`, which tell apart the rows of a series at one x."""
     section = Section(title)
     measured = [j for j in completed(jobs) if j.metrics.get(y) is not None]  # time_to_target_s: null if missed
     groups = {k: sorted(v, key=lambda j: j.metrics[x]) for k, v in by_series(measured, x_keys).items()}
@@ -196,11 +198,14 @@ def xy_section(
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for label, group in groups.items():
         ax.plot([j.metrics[x] for j in group], [j.metrics[y] for j in group], marker="o", label=label)
-        section.rows += [{"series": label, x: j.metrics[x], y: j.metrics[y], **compute_share(j)} for j in group]
+        section.rows += [
+            {"series": label, x: j.metrics[x], **{k: j.metrics[k] for k in shown}, y: j.metrics[y], **compute_share(j)}
+            for j in group
+        ]
     ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
     log2_axis(ax)
     ax.legend(fontsize="x-small")
-    section.columns = ["series", x, y, "compute_pct"]
+    section.columns = ["series", x, *shown, y, "compute_pct"]
     section.plot = save(fig, out / filename)
     return section
 
@@ -216,6 +221,7 @@ def time_to_target_section(jobs: list[Job], out: Path) -> Section:
         jobs, out, "Time to target vs batch size", "effective_batch_size", "time_to_target_s",
         BATCH_KEYS + ACCUMULATION_KEYS, "effective batch size (samples per optimizer step)",
         "training time to val_mse <= target (s)", "time_to_target_vs_batch.png",
+        shown=("global_batch_size", "accumulate_grad_batches"),  # an effective batch is B x 1 and B/4 x 4
     )  # fmt: skip
 
 
