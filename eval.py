@@ -1,4 +1,4 @@
-"""Score a checkpoint: `python eval.py ckpt_path=PATH [data.path=F]` (see README.md, "Using a trained model")."""
+"""Score a checkpoint: `python eval.py ckpt_path=PATH [data.path=F]` (see docs/using-a-model.md)."""
 
 from experiments.commands.entry import command
 

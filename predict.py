@@ -1,4 +1,4 @@
-"""Apply a checkpoint to raw inputs: `python predict.py ckpt_path=PATH data.path=F` (see README.md)."""
+"""Apply a checkpoint to raw inputs: `python predict.py ckpt_path=PATH data.path=F` (see docs/using-a-model.md)."""
 
 from experiments.commands.entry import command
 

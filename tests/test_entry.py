@@ -1,4 +1,4 @@
-"""The README's promises at the command line: one `error:` line and exit 2 for bad input of every group,
+"""docs/failures.md's promises at the command line: one `error:` line and exit 2 for bad input of every group,
 signals at every moment of a run, and timings measured against the test's own clock."""
 
 import csv

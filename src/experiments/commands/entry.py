@@ -5,9 +5,9 @@
 answer without loading Lightning. Whatever refuses the input — a check (`ConfigError`), a constructor that Hydra
 instantiates (Hydra wraps its error in an `InstantiationException`), OmegaConf reading a setting, or Hydra
 composing the config (an unknown option `logger=nope`, an unknown key `trainer.nope=1`, a bad override) — the
-user sees one line `error: <setting>=<value> ...; allowed: ...` on stderr and the command exits 2 (README,
-"Failures"). In a multirun a job's error is raised on, so that Hydra records that job as failed and runs the
-others; the sweep then exits 1.
+user sees one line `error: <setting>=<value> ...; allowed: ...` on stderr and the command exits 2
+(docs/failures.md). In a multirun a job's error is raised on, so that Hydra records that job as failed and runs
+the others; the sweep then exits 1.
 """
 
 import functools

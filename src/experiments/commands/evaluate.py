@@ -1,5 +1,6 @@
-"""The eval recipe: `python eval.py ckpt_path=PATH [data.path=F]` scores a checkpoint (README, "Using a trained
-model"). `evaluate` checks everything and computes, and writes nothing; `main` writes the run dir on success."""
+"""The eval recipe: `python eval.py ckpt_path=PATH [data.path=F]` scores a checkpoint
+(docs/using-a-model.md). `evaluate` checks everything and computes, and writes nothing; `main` writes the run
+dir on success."""
 
 import json
 from pathlib import Path

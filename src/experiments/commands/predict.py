@@ -1,5 +1,6 @@
-"""The predict recipe: `python predict.py ckpt_path=PATH data.path=F` applies a checkpoint to raw inputs (README).
-`predict` checks everything and computes, and writes nothing; `main` writes the run dir on success."""
+"""The predict recipe: `python predict.py ckpt_path=PATH data.path=F` applies a checkpoint to raw inputs
+(docs/using-a-model.md). `predict` checks everything and computes, and writes nothing; `main` writes the run
+dir on success."""
 
 import csv
 import io

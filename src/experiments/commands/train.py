@@ -175,7 +175,7 @@ def run_sweep_job(cfg: DictConfig) -> dict:
 
 
 def main(cfg: DictConfig) -> float:
-    # Exit codes (experiments.run.exits, README "Failures and resuming"): 0 completed, 1 failed, 2 bad input,
+    # Exit codes (experiments.run.exits, docs/failures.md): 0 completed, 1 failed, 2 bad input,
     # 128 + the signal's number when interrupted; experiments.commands.entry turns errors and signals into them.
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         metrics = run_sweep_job(cfg)

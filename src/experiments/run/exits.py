@@ -1,4 +1,4 @@
-"""How a command ends, and the exit code of each way (README, "Failures and resuming"):
+"""How a command ends, and the exit code of each way (docs/failures.md):
 0 completed; 1 the run failed (divergence, out of memory, a crash); 2 bad input (`ConfigError`);
 128 + signal number when interrupted (`run.signals.Interrupted`): 130 for SIGINT (Ctrl-C), 143 for SIGTERM (a
 scheduler's stop), 138 for SIGUSR1 (a scheduler's pre-emption warning).

@@ -1,4 +1,5 @@
-"""Where everything lives inside a run dir and a sweep dir: the one spelling of the layout (README, Outputs)."""
+"""Where everything lives inside a run dir and a sweep dir: the one spelling of the layout
+(README, "Where outputs go")."""
 
 from dataclasses import dataclass
 from pathlib import Path
