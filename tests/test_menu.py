@@ -231,6 +231,13 @@ def test_a_failed_run_summary_says_what_is_unmeasured(tmp_path):
     assert lines[0] == "status      failed" and "not measured" in lines[1] and "n/a samples/s" in lines[2]
 
 
+def test_the_summary_gives_no_ratio_to_an_exact_fit(tmp_path):
+    exact = summary_lines({"status": "completed", "val_mse": 2e-6, "optimal_val_mse": 3.6e-30}, tmp_path)[1]
+    assert "the optimum fits exactly" in exact and " x the optimum" not in exact
+    noisy = summary_lines({"status": "completed", "val_mse": 0.0102, "optimal_val_mse": 0.01}, tmp_path)[1]
+    assert "1.0200 x the optimum" in noisy
+
+
 # ------------------------------------------------------------------------------------------ Optuna search
 
 

@@ -31,6 +31,10 @@ def quiet_lightning() -> None:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
 
 
+# An optimum's validation MSE below this is an exact fit, at float64 round-off (about 1e-30 for the seed's examples).
+EXACT_FIT = 1e-12
+
+
 def _figure(value, spec: str, unit: str = "") -> str:
     return "n/a" if value is None else f"{value:{spec}}{unit}"
 
@@ -39,8 +43,10 @@ def summary_lines(metrics: dict, run_dir: Path) -> list[str]:
     val_mse, optimum = metrics.get("val_mse"), metrics.get("optimal_val_mse")
     if val_mse is None:
         fit = "not measured (the run did not complete)"
-    elif optimum:
+    elif optimum is not None and optimum > EXACT_FIT:
         fit = f"{val_mse:.6g} = {val_mse / optimum:.4f} x the optimum {optimum:.6g}"
+    elif optimum is not None:  # noise-free data (the seed's examples): a ratio to ~0 says nothing
+        fit = f"{val_mse:.6g}; the optimum fits exactly ({optimum:.2g})"
     else:
         fit = f"{val_mse:.6g}"
     status = metrics["status"]
