@@ -29,6 +29,14 @@ def quiet_lightning() -> None:
         logger.addFilter(_DropChatter())
     for message, module in LIGHTNING_DEPRECATIONS:
         warnings.filterwarnings("ignore", message=message, category=FutureWarning, module=module)
+    # Lightning's packages print through a handler of their own, and stop there, only when the root logger had no
+    # handler as they were imported. The commands import them after Hydra has set up logging: each line would then
+    # show twice (the `lightning` package's handler and Hydra's). One line each, as when Lightning comes first.
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        package = logging.getLogger(name)
+        if package.propagate:
+            package.addHandler(logging.StreamHandler())
+            package.propagate = False
 
 
 # An optimum's validation MSE below this is an exact fit, at float64 round-off (about 1e-30 for the seed's examples).
