@@ -116,7 +116,8 @@ def epoch_line(trainer: L.Trainer, samples_per_sec: float) -> list[str]:
         parts.append(f"train/loss {loss.item():.6g}")
     if (mse := trainer.callback_metrics.get("val/mse")) is not None:
         optimum = trainer.datamodule.optimal_val_mse
-        parts.append(f"val/mse {mse.item():.6g} = {mse.item() / optimum:.4f} x the optimum")
+        ratio = f" = {mse.item() / optimum:.4f} x the optimum" if optimum > EXACT_FIT else ""
+        parts.append(f"val/mse {mse.item():.6g}{ratio}")
     return [*parts, f"{samples_per_sec:,.0f} samples/s"]
 
 
