@@ -173,6 +173,7 @@ def test_a_person_sees_curves_named_runs_and_the_swept_knob(server, browser, scr
     page.wait_for_timeout(2000)  # the charts draw in a worker
     page.screenshot(path=screenshots / "time_series.png")
 
+    page.set_viewport_size({"width": 2200, "height": 560})  # the table's 12 columns, side by side
     page.goto(server + "#hparams")
     headers = page.locator("tf-hparams-table-view .table-header")
     headers.filter(has_text="val_mse").first.wait_for(timeout=60e3)
@@ -183,6 +184,7 @@ def test_a_person_sees_curves_named_runs_and_the_swept_knob(server, browser, scr
     assert {"0/batch_size=32", "1/batch_size=64"} <= {r.strip() for r in rows}
     page.screenshot(path=screenshots / "hparams.png")
 
+    page.set_viewport_size({"width": 1400, "height": 900})
     page.goto(server + "#custom_scalars")
     page.locator("tf-custom-scalar-multi-line-chart-card").first.wait_for(timeout=60e3)
     page.wait_for_timeout(2000)

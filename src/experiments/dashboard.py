@@ -3,7 +3,7 @@
 - Run names: a sweep job's TensorBoard run is named for what its sweep varies (`0/tensorboard/batch_size=64`).
 - Time Series opens on curves: Lightning's `epoch` staircase is dropped; the final figures go under `whole_run/`,
   a group that sorts after the curves' `perf/`, `train/` and `val/` (Time Series opens its first two groups).
-- `val/mse_over_optimum`: each validation's MSE over the exact least-squares optimum's (1 = the optimum).
+- `val/mse_over_optimum` (written by experiments.target): each validation's MSE over the exact optimum's.
 - HPARAMS: one row per run. Its columns are the key settings and the swept ones, declared with TensorBoard's
   hparams protos; TensorBoard lists those marked `differs` first, then by name, and shows the first five. Its
   metrics are metrics.json's final figures (`METRICS`, in that order: the first five shown).
@@ -14,7 +14,6 @@ import re
 import time
 
 import lightning as L
-from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
 from omegaconf import DictConfig, OmegaConf
 from tensorboard.compat.proto.summary_pb2 import Summary
@@ -128,24 +127,23 @@ def layout(scheduler: bool) -> dict:
 
 
 def writers(trainer: L.Trainer) -> list:
-    """The SummaryWriters of the run's TensorBoard loggers: on rank 0 only, where the loggers write."""
-    if not trainer.is_global_zero:
-        return []
+    """The SummaryWriters of the run's TensorBoard loggers (call it on rank 0, where they write)."""
     return [logger.experiment for logger in trainer.loggers if isinstance(logger, LightningTensorBoardLogger)]
 
 
-class Dashboard(Callback):
-    """Writes the HPARAMS row and the Custom Scalars layout as training starts, `val/mse_over_optimum` after each
-    validation, and, in `finish`, the final figures and how the run ended. Nothing on a training step."""
+class Dashboard:
+    """What a run writes for TensorBoard beyond its curves: the HPARAMS row and the Custom Scalars layout as
+    training starts (`start`), the final figures and how the run ended (`finish`). Not a callback: Lightning calls
+    every callback's hooks on every step, and this has nothing to do there."""
 
     def __init__(self, cfg: DictConfig, swept: dict[str, str], trial_id: str):
         self.cfg, self.swept = cfg, swept  # swept: experiments.sweeps.swept_overrides ({} outside a sweep)
         self.trial_id = trial_id  # HPARAMS' first column, "Trial ID"
 
-    def columns(self, trainer: L.Trainer) -> dict:
+    def columns(self, trainer: L.Trainer, data) -> dict:
         """The HPARAMS columns of this run: the key settings, as the run resolved them, and the swept settings
         that feed none of them. Settings that are None are left out."""
-        cfg, data = self.cfg, trainer.datamodule
+        cfg = self.cfg
         columns = {
             "optimizer": cfg.optimizer._target_.rsplit(".", 1)[-1].lower(),  # sgd, adam
             "lr": cfg.optimizer.get("lr"),
@@ -174,30 +172,23 @@ class Dashboard(Callback):
         fed = {column for column, sources in KEY_SETTINGS.items() if set(sources) & set(self.swept)}
         return fed | set(self._own_columns().values())
 
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        columns = self.columns(trainer)
+    def start(self, trainer: L.Trainer, data) -> None:
+        """Before `trainer.fit`, on rank 0: the layout, the table's declaration and this run's row."""
+        columns = self.columns(trainer, data)
         for writer in writers(trainer):
             writer.add_custom_scalars(layout(scheduler=self.cfg.scheduler is not None))
             events = internals.summary_file_writer(writer)
             events.add_summary(experiment_summary(columns, self.differs()), trainer.global_step)
             events.add_summary(hparams_summary.hparams_pb(columns, trial_id=self.trial_id), trainer.global_step)
 
-    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        mse = trainer.callback_metrics.get("val/mse")
-        if trainer.sanity_checking or mse is None or not trainer.is_global_zero:
-            return
-        ratio = mse.item() / trainer.datamodule.optimal_val_mse  # solved by then (TimeToTarget waits for it)
-        for logger in trainer.loggers:
-            logger.log_metrics({"val/mse_over_optimum": ratio}, step=trainer.global_step)
-
     def finish(self, trainer: L.Trainer, metrics: dict) -> None:
-        """The final figures (metrics.json's, null ones left out) and the run's status, at its last step: a resumed
-        run's event file purges an interrupted start's from there on."""
+        """On rank 0: the final figures (metrics.json's; null ones left out) and how the run ended, at its last
+        step: a resumed run's event file purges an interrupted start's from there on."""
         for writer in writers(trainer):
             for key in METRICS:
                 if isinstance(metrics.get(key), int | float):
                     writer.add_scalar(f"{FIGURES}/{key}", metrics[key], trainer.global_step)
-            if metrics["status"] != "interrupted":  # an interrupted run resumes and ends later
+            if metrics["status"] != "interrupted":  # an interrupted run resumes, and ends later
                 internals.summary_file_writer(writer).add_summary(
                     session_end_summary(metrics["status"]), trainer.global_step
                 )

@@ -106,7 +106,7 @@ class TrainRecipe:
             name = logger_options["version"] = cfg.logger.version or name
         logger = instantiate(cfg.logger, save_dir=str(self.paths.root), **logger_options) if cfg.logger else False
         self.dashboard = Dashboard(cfg, swept, trial_id="/".join(filter(None, [self.paths.root.name, name])))
-        callbacks = [self.target, self.dashboard, self.perf, self.interruption]
+        callbacks = [self.target, self.perf, self.interruption]
         callbacks += configured_callbacks(cfg, self.paths.root)
         if cfg.trainer.enable_progress_bar:
             # A terminal gets the bar; a log file (SLURM, nohup, CI) a line per epoch, never a redraw.
@@ -122,6 +122,8 @@ class TrainRecipe:
 
     def fit(self) -> dict:
         status = "failed"
+        if self.rank.zero:
+            self.dashboard.start(self.trainer, self.data)
         try:
             with ranks_join_this_job():
                 self.trainer.fit(self.module, datamodule=self.data, ckpt_path=self.ckpt_path)
