@@ -1,5 +1,11 @@
+import json
+import re
 import subprocess
 import sys
+import time
+import urllib.parse
+import urllib.request
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -66,3 +72,38 @@ def logged_tags(run_dir: Path) -> list[str]:
     accumulator = EventAccumulator(str(events[0].parent))
     accumulator.Reload()
     return accumulator.Tags()["scalars"]
+
+
+@contextmanager
+def tensorboard_server(logdir: Path, runs: int):
+    """`tensorboard --logdir LOGDIR --port 0` (the OS picks a free port), stopped on exit; yields its URL once
+    `/data/runs` lists `runs` runs (the server loads event files in the background)."""
+    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1", "--port", "0"]
+    server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        url = None
+        for line in server.stderr:  # "TensorBoard 2.x at http://127.0.0.1:PORT/ (Press CTRL+C to quit)"
+            if match := re.search(r"http://127\.0\.0\.1:\d+/", line):
+                url = match.group(0)
+                break
+        assert url, "TensorBoard printed no URL"
+        deadline = time.monotonic() + 60
+        while len(tensorboard_get(url, "data/runs")) < runs and time.monotonic() < deadline:
+            time.sleep(0.5)
+        yield url
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def tensorboard_get(url: str, path: str, **query):
+    """GET one of TensorBoard's data endpoints (`data/runs`, `data/plugin/scalars/tags`, ...) as JSON."""
+    with urllib.request.urlopen(url + path + ("?" + urllib.parse.urlencode(query) if query else ""), timeout=30) as r:
+        return json.loads(r.read())
+
+
+def tensorboard_post(url: str, path: str, body: dict):
+    """POST to one of TensorBoard's data endpoints (`data/plugin/hparams/experiment`, `.../session_groups`)."""
+    request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=30) as response:
+        return json.loads(response.read())

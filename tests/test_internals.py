@@ -1,4 +1,4 @@
-"""Every private touch of Lightning and Hydra (experiments.internals) still exists in the installed versions.
+"""Every private touch of Lightning, Hydra and torch (experiments.internals) still exists in the installed versions.
 
 An upgrade that removes or renames one fails here, with the touch's name, before any run breaks in its middle.
 """
@@ -20,7 +20,8 @@ def test_no_module_but_internals_touches_a_private_name():
     """The touches stay behind one door: the private names of internals.py appear in no other module."""
     src = Path(internals.__file__).parent
     private = ["_logger_connector", "_should_accumulate", "_combined_loader", "_hydra_subprocess_cmd",
-               "_PRECISION_INPUT", "_normalize_parse_gpu_string_input", "_start_method", "_return_value"]  # fmt: skip
+               "_PRECISION_INPUT", "_normalize_parse_gpu_string_input", "_start_method", "_return_value",
+               "_get_file_writer"]  # fmt: skip
     found = [
         f"{path.relative_to(src)}: {name}"
         for path in src.rglob("*.py")

@@ -1,18 +1,22 @@
-"""The experiment menu: callbacks, schedulers, optimizers, debug modes, the Optuna search and the run summary."""
+"""The experiment menu: callbacks, schedulers, optimizers, debug modes, the Optuna search and what a run prints."""
 
 import csv
+import fcntl
 import json
 import os
+import pty
 import re
 import signal
+import struct
 import subprocess
 import sys
+import termios
 from pathlib import Path
 
 import optuna
 import pytest
 import torch
-from conftest import ROOT, TINY, compose_config
+from conftest import ROOT, TINY, cli, compose_config
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
@@ -236,6 +240,43 @@ def test_the_summary_gives_no_ratio_to_an_exact_fit(tmp_path):
     assert "the optimum fits exactly" in exact and " x the optimum" not in exact
     noisy = summary_lines({"status": "completed", "val_mse": 0.0102, "optimal_val_mse": 0.01}, tmp_path)[1]
     assert "1.0200 x the optimum" in noisy
+
+
+EPOCH_LINE = re.compile(
+    r"^epoch (\d+)/2  step (\d+)  train/loss \S+  val/mse \S+ = \d+\.\d{4} x the optimum  [\d,]+ samples/s$", re.M
+)
+
+
+def test_a_log_file_gets_a_line_per_epoch_never_a_redraw(tmp_path):
+    # stdout a pipe, as under SLURM, nohup or CI: no bar, no carriage return, no model-summary table.
+    done = cli("trainer.enable_progress_bar=true", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert [(m[1], m[2]) for m in EPOCH_LINE.finditer(done.stdout)] == [("1", str(STEPS)), ("2", str(2 * STEPS))]
+    printed = done.stdout + done.stderr
+    assert "\r" not in printed and "it/s" not in printed
+    assert "Total params" not in printed  # Lightning's model summary: only when asked for
+
+
+def test_a_terminal_gets_the_bar_and_the_model_summary_when_asked(tmp_path):
+    leader, follower = pty.openpty()  # a terminal for the run's stdout and stderr, 120 columns wide
+    fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+    command = [sys.executable, "train.py", *TINY, "trainer.enable_progress_bar=true",
+               "trainer.enable_model_summary=true", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
+    run = subprocess.Popen(command, cwd=ROOT, stdout=follower, stderr=follower)
+    os.close(follower)
+    printed = b""
+    while True:
+        try:
+            chunk = os.read(leader, 65536)  # read as it comes, so that the run never waits on a full terminal
+        except OSError:  # the run ended and closed the terminal
+            break
+        if not chunk:
+            break
+        printed += chunk
+    assert run.wait(timeout=300) == 0, printed[-2000:]
+    text = printed.decode(errors="replace")
+    assert "\r" in text and "it/s" in text and not EPOCH_LINE.search(text.replace("\r\n", "\n"))
+    assert "Total params" in text
 
 
 # ------------------------------------------------------------------------------------------ Optuna search

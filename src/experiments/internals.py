@@ -1,4 +1,4 @@
-"""Every touch of Lightning's and Hydra's private API, in one place: the reason `lightning<2.7` is pinned.
+"""Every touch of Lightning's, Hydra's and torch's private API, in one place: the reason `lightning<2.7` is pinned.
 
 Each function below says why the public API does not do, and `TOUCHES` lists, for each, how to tell that an
 installed version still has it; tests/test_internals.py runs those checks, so an upgrade that removes one
@@ -94,6 +94,19 @@ def job_error(job_return: JobReturn) -> BaseException:
     return job_return._return_value
 
 
+def summary_file_writer(writer):
+    """The event file writer behind torch's `SummaryWriter`, to add a ready-made Summary proto (TensorBoard's hparams
+    plugin summaries, experiments.dashboard) to the run's own event file: torch has no public call for that (its
+    `add_hparams` writes into a new sub-run); Lightning's TensorBoardLogger.log_hyperparams does the same."""
+    return writer._get_file_writer()
+
+
+def _summary_writer_has_file_writer() -> bool:
+    from torch.utils.tensorboard import SummaryWriter  # here, not at the top: only runs that log import it
+
+    return callable(getattr(SummaryWriter, "_get_file_writer", None))
+
+
 def _has_rank_command() -> bool:
     source = inspect.getsource(subprocess_script._SubprocessScriptLauncher._call_children_scripts)
     return hasattr(subprocess_script, "_hydra_subprocess_cmd") and "_hydra_subprocess_cmd(" in source
@@ -133,4 +146,5 @@ TOUCHES: list[tuple[str, Callable[[], bool]]] = [
     ("device_parser._normalize_parse_gpu_string_input", lambda: parse_device_string("0,1") == [0, 1]),
     ("DDPStrategy._start_method", lambda: ddp_start_method(DDPStrategy(start_method="spawn")) == "spawn"),
     ("hydra JobReturn._return_value", _job_return_keeps_error),
+    ("torch SummaryWriter._get_file_writer", _summary_writer_has_file_writer),
 ]

@@ -1,4 +1,5 @@
-"""Tables and plots of a run or a sweep: `<dir>/report/report.md` (scripts/report.py, scripts/study.py).
+"""Tables and plots of a run or a sweep: `<dir>/report/report.md` (scripts/report.py, scripts/study.py), and the
+plots as TensorBoard images in `<dir>/report/` (`tensorboard --logdir <dir>`: the run `report`).
 
 Each section compares jobs that differ in one thing (batch size, device count, accumulation...) and holds
 everything else fixed: a job's "series" is the set of swept settings other than the section's x axis, so a
@@ -390,4 +391,18 @@ def write_report(root: Path) -> Path:
         raise FileNotFoundError(f"no run under {root}: expected metrics.json or .hydra/ in it or its job dirs")
     path = out / "report.md"
     write_atomic(path, render(f"Report: {root}", sections, out))
+    write_tensorboard_images(sections, out)
     return path
+
+
+def write_tensorboard_images(sections: list[Section], out: Path) -> None:
+    """The report's plots as images of TensorBoard's run `report` (its IMAGES tab, and Time Series' `whole_sweep`
+    group, which sorts after the curves); a report written again replaces the previous one's."""
+    from torch.utils.tensorboard import SummaryWriter  # here: the report's tables need no torch
+
+    for old in out.glob("events.out.tfevents.*"):
+        old.unlink()
+    with SummaryWriter(str(out)) as writer:
+        for section in sections:
+            if section.plot:
+                writer.add_image(f"whole_sweep/{section.plot.stem}", plt.imread(section.plot), dataformats="HWC")

@@ -16,6 +16,7 @@ import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
@@ -132,12 +133,35 @@ def record_interrupted_job(hydra_cfg: DictConfig) -> None:
     write_results(Path(hydra_cfg.sweep.dir))
 
 
+def swept_overrides(hydra_cfg: DictConfig) -> dict[str, str]:
+    """This sweep job's overrides of the settings its sweep varies, in the job's order: `{"data.batch_size": "64"}`.
+
+    What a sweep varies: its command line's sweep overrides (`a=1,2`, `range(...)`, `choice(...)`), read from
+    `<sweep dir>/multirun.yaml`, and its sweeper's `params` (Optuna's search space); every job shares the rest.
+    """
+    parser = OverridesParser.create()
+    swept = set(hydra_cfg.sweeper.get("params") or {})
+    multirun = SweepPaths(hydra_cfg.sweep.dir).multirun
+    if multirun.exists():
+        command_line = OmegaConf.load(multirun).hydra.overrides.task
+        swept |= {o.key_or_group for o in parser.parse_overrides(list(command_line)) if o.is_sweep_override()}
+    job = parser.parse_overrides(list(hydra_cfg.overrides.task))
+    return {o.key_or_group: o.get_value_element_as_str() for o in job if o.key_or_group in swept}
+
+
 def one_line(err: BaseException) -> str:
     return " ".join(f"{type(err).__name__}: {err}".split())
 
 
 class SweepRecord(Callback):
     """Writes `job.json` into each job's dir when it ends, and `results.csv` into the sweep dir."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs) -> None:
+        # Hydra's basic sweeper saves the sweep's config as multirun.yaml (and does so again right after this);
+        # Optuna's does not. Every job reads from it what its sweep varies (`swept_overrides`).
+        path = SweepPaths(config.hydra.sweep.dir).multirun
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, OmegaConf.to_yaml(config))
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs) -> None:
         if config.hydra.mode != RunMode.MULTIRUN:

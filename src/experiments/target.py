@@ -9,6 +9,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Callback
 
 from experiments.perf import PerfMonitor
+from experiments.run.summary import EXACT_FIT
 
 
 class TimeToTarget(Callback):
@@ -35,11 +36,17 @@ class TimeToTarget(Callback):
             trainer.datamodule.solve_optimum_in_background()
 
     def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        if trainer.sanity_checking or self.summary["steps_to_target"] is not None:
+        if trainer.sanity_checking:
             return
         data = trainer.datamodule
-        self.summary["target_mse"] = target = self.mse_ratio * data.optimal_val_mse
         mse = trainer.callback_metrics.get("val/mse")
+        if mse is not None and data.optimal_val_mse > EXACT_FIT:  # noise-free data: a ratio to ~0 says nothing
+            # The curve of the same quantity, `val/mse_over_optimum` (1: the optimum; the target: mse_ratio).
+            for logger in trainer.loggers:
+                logger.log_metrics({"val/mse_over_optimum": mse.item() / data.optimal_val_mse}, trainer.global_step)
+        if self.summary["steps_to_target"] is not None:
+            return
+        self.summary["target_mse"] = target = self.mse_ratio * data.optimal_val_mse
         reached = mse is not None and mse.item() <= target
         # Every rank holds the same synced val/mse and optimum; agree all the same, since a stop that one rank
         # alone took would leave the others waiting in their next collective.

@@ -2,6 +2,7 @@
 (check, build), fit, finish (record); `train(cfg, run_dir)` runs it and is what tests call with a composed config.
 """
 
+import sys
 import time
 from pathlib import Path
 
@@ -10,11 +11,11 @@ import torch
 from hydra.core.hydra_config import HydraConfig
 from hydra.types import RunMode
 from hydra.utils import instantiate
-from lightning.pytorch.loggers import TensorBoardLogger
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig
 
 from experiments.callbacks import configured_callbacks, early_stop_record
 from experiments.config.checks import check_config, check_shapes
+from experiments.dashboard import Dashboard, run_name
 from experiments.distributed import slurm
 from experiments.distributed.launcher import ranks_join_this_job
 from experiments.distributed.ranks import end_with_parent, this_rank
@@ -29,7 +30,8 @@ from experiments.run.interruption import Interruption
 from experiments.run.layout import RunPaths
 from experiments.run.metrics import final_figures, record, run_record, write_metrics
 from experiments.run.signals import Interrupted
-from experiments.run.summary import print_summary, quiet_lightning
+from experiments.run.summary import EpochLines, print_summary, quiet_lightning
+from experiments.sweeps import swept_overrides
 from experiments.target import TimeToTarget
 
 
@@ -53,7 +55,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
 class TrainRecipe:
     """One training run. Checks (in `__init__`) come before anything is built; `setup` builds the trainer (its
     constructors check their settings before the data is made), the data and the module; `fit` trains;
-    `finish` records the run (metrics.json, TensorBoard's hparams, the closing summary)."""
+    `finish` records the run (metrics.json, TensorBoard's HPARAMS row, the closing summary)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path):
         self.started = run_start_time()
@@ -95,10 +97,21 @@ class TrainRecipe:
         # Curves restart where the checkpoint does, when the run resumes in its own dir.
         resume_step = self.resumed.global_step if self.run.checkpoint else None
         logger_options = state.logger_options(cfg.logger, resume_step)
+        # TensorBoard's run name (docs/tensorboard.md): logger.version when the user gives one; in a sweep, what
+        # the sweep varies (`batch_size=64`); else none, and TensorBoard names the run after its dir.
+        hydra = HydraConfig.get() if HydraConfig.initialized() else None
+        swept = swept_overrides(hydra) if hydra and hydra.mode == RunMode.MULTIRUN else {}
+        name = run_name(swept)
+        if cfg.logger and str(cfg.logger._target_).endswith("TensorBoardLogger"):
+            name = logger_options["version"] = cfg.logger.version or name
         logger = instantiate(cfg.logger, save_dir=str(self.paths.root), **logger_options) if cfg.logger else False
-        callbacks = [self.target, self.perf, self.interruption, *configured_callbacks(cfg, self.paths.root)]
+        self.dashboard = Dashboard(cfg, swept, trial_id="/".join(filter(None, [self.paths.root.name, name])))
+        callbacks = [self.target, self.perf, self.interruption]
+        callbacks += configured_callbacks(cfg, self.paths.root)
         if cfg.trainer.enable_progress_bar:
-            callbacks.append(LogStepProgressBar(refresh_rate=cfg.trainer.log_every_n_steps))
+            # A terminal gets the bar; a log file (SLURM, nohup, CI) a line per epoch, never a redraw.
+            bar = LogStepProgressBar(refresh_rate=cfg.trainer.log_every_n_steps)
+            callbacks.append(bar if sys.stdout.isatty() else EpochLines())
         return instantiate(
             cfg.trainer,
             callbacks=callbacks,
@@ -109,6 +122,8 @@ class TrainRecipe:
 
     def fit(self) -> dict:
         status = "failed"
+        if self.rank.zero:
+            self.dashboard.start(self.trainer, self.data)
         try:
             with ranks_join_this_job():
                 self.trainer.fit(self.module, datamodule=self.data, ckpt_path=self.ckpt_path)
@@ -142,33 +157,17 @@ class TrainRecipe:
         )
         if trainer.is_global_zero:
             write_metrics(self.paths.metrics, metrics)
-            log_hparams(trainer, self.cfg, metrics)
+            self.dashboard.finish(trainer, metrics)  # TensorBoard's HPARAMS row: its final figures
+            for logger in trainer.loggers:
+                logger.finalize(metrics["status"])
             print_summary(metrics, self.paths.root)
         return metrics
-
-
-def log_hparams(trainer: L.Trainer, cfg: DictConfig, metrics: dict) -> None:
-    """The run's config with its final figures, for TensorBoard's hparams tab."""
-    params = OmegaConf.to_container(cfg, resolve=True)
-    final = {f"final/{k}": v for k, v in metrics.items() if isinstance(v, float)}
-    for logger in trainer.loggers:
-        if isinstance(logger, TensorBoardLogger):
-            # At the last step, not 0: a resumed run's TensorBoard file purges the interrupted one's from there on.
-            logger.log_hyperparams(params, final, step=trainer.global_step)
-        else:
-            logger.log_hyperparams(params)
-        logger.finalize(metrics["status"])
 
 
 def run_sweep_job(cfg: DictConfig) -> dict:
     """One job of a multirun. It raises, never exits: Hydra records a job that raises as failed and runs the
     others (a SystemExit would end the whole sweep), then re-raises the first failure, so the sweep exits 1."""
-    hydra_cfg = HydraConfig.get()
-    if cfg.logger and cfg.logger._target_.endswith("TensorBoardLogger"):
-        # Name the job's TensorBoard run after its overrides, so `tensorboard --logdir <sweep dir>` tells
-        # the jobs apart (`<job num>/tensorboard/data.batch_size=64,...`).
-        cfg.logger.version = hydra_cfg.job.override_dirname
-    metrics = train(cfg, Path(hydra_cfg.runtime.output_dir))
+    metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     if metrics["status"] != "completed":
         raise RuntimeError(f"the run ended {metrics['status']} (see its metrics.json)")
     return metrics

@@ -57,6 +57,10 @@ class SweepPaths:
     def results_lock(self) -> Path:
         return Path(self.root) / ".results.lock"
 
+    @property
+    def multirun(self) -> Path:  # the sweep's composed config and command line (Hydra's own file name)
+        return Path(self.root) / "multirun.yaml"
+
 
 def run_of_checkpoint(checkpoint: Path) -> RunPaths | None:
     """The run dir a checkpoint sits in (`<run>/checkpoints/<name>.ckpt`); None for a file elsewhere."""

@@ -1,9 +1,14 @@
-"""What a run prints: a short block at its end, and none of Lightning's start-up chatter that helps nobody."""
+"""What a run prints: a line per epoch in a log file, a short block at its end, and none of Lightning's start-up
+chatter that helps nobody."""
 
 import logging
 import re
+import time
 import warnings
 from pathlib import Path
+
+import lightning as L
+from lightning.pytorch.callbacks import ProgressBar
 
 # Lightning's rank_zero_info lines that tell the user nothing about this run: advertising tips ("💡 Tip: ...
 # litlogger", "... litmodels") and the TPU line on machines without one. "GPU available: ..., used: ..." stays:
@@ -73,3 +78,57 @@ def summary_lines(metrics: dict, run_dir: Path) -> list[str]:
 def print_summary(metrics: dict, run_dir: Path) -> None:
     """The last lines a run prints (rank 0 only: the caller checks)."""
     print("\n".join(["", *summary_lines(metrics, run_dir)]), flush=True)
+
+
+class EpochLines(ProgressBar):
+    """The progress of a run whose stdout is not a terminal (a log file: SLURM, nohup, CI): one line as each
+    training epoch ends, with the loss, the validation MSE against the optimum and the speed; never a redraw.
+    It reads the clock as an epoch starts and ends and around validation, never on a training step."""
+
+    def __init__(self):
+        super().__init__()
+        self.enabled = True
+        self.epoch_start = self.validation_start = None
+
+    def disable(self) -> None:
+        self.enabled = False
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enabled
+
+    def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.epoch_start, self.paused, self.first_batch = time.perf_counter(), 0.0, _micro_steps(trainer)
+
+    def on_validation_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        self.validation_start = time.perf_counter()
+
+    def on_validation_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if self.epoch_start is not None and self.validation_start is not None:
+            self.paused += time.perf_counter() - self.validation_start
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        if not self.enabled or self.epoch_start is None:
+            return
+        seconds = time.perf_counter() - self.epoch_start - self.paused
+        samples = (_micro_steps(trainer) - self.first_batch) * trainer.datamodule.batch_size
+        print("  ".join(epoch_line(trainer, samples / max(seconds, 1e-9))), flush=True)
+
+
+def epoch_line(trainer: L.Trainer, samples_per_sec: float) -> list[str]:
+    epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""  # -1: steps bound it
+    parts = [f"epoch {trainer.current_epoch + 1}{epochs}", f"step {trainer.global_step}"]
+    if (loss := trainer.callback_metrics.get("train/loss")) is not None:
+        parts.append(f"train/loss {loss.item():.6g}")
+    if (mse := trainer.callback_metrics.get("val/mse")) is not None:
+        optimum = trainer.datamodule.optimal_val_mse
+        ratio = f" = {mse.item() / optimum:.4f} x the optimum" if optimum > EXACT_FIT else ""
+        parts.append(f"val/mse {mse.item():.6g}{ratio}")
+    return [*parts, f"{samples_per_sec:,.0f} samples/s"]
+
+
+def _micro_steps(trainer: L.Trainer) -> int:
+    return trainer.fit_loop.epoch_loop.batch_progress.total.completed  # training batches of the whole fit
