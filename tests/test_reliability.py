@@ -154,8 +154,9 @@ def test_real_gpu_out_of_memory_suggests_a_smaller_batch(tmp_path, monkeypatch):
         return torch.empty(2**50, device=self.device).sum()  # 4 PiB
 
     monkeypatch.setattr(Regressor, "training_step", allocate_too_much)
-    with pytest.raises(RunFailed, match=r"out of device memory.*smaller data\.batch_size"):
+    with pytest.raises(RunFailed, match=r"out of device memory.*smaller data\.batch_size") as err:
         train(compose_config("trainer.accelerator=gpu"), tmp_path / "run")
+    assert "or let the lab choose with batch.effective=64: measured now, it would train" in str(err.value)
 
 
 # ------------------------------------------------------------------------------ interruption and resume

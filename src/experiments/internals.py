@@ -8,10 +8,12 @@ fails there, naming it, rather than somewhere deep inside a run. Written against
 import dataclasses
 import inspect
 import typing
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import lightning as L
+import torch
 from hydra.core.utils import JobReturn
 from lightning.fabric.plugins.precision import precision as fabric_precision
 from lightning.fabric.utilities import device_parser
@@ -20,6 +22,7 @@ from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import subprocess_script
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
+from torch.utils import _python_dispatch
 
 
 def is_log_step(trainer: L.Trainer) -> bool:
@@ -107,6 +110,54 @@ def _summary_writer_has_file_writer() -> bool:
     return callable(getattr(SummaryWriter, "_get_file_writer", None))
 
 
+class CpuAllocations(_python_dispatch.TorchDispatchMode):
+    """While active (`with counter:`), the bytes of the CPU tensors that torch allocates in this thread: `live`
+    now, `peak` the most at once (experiments.batch_fit measures a training step on the CPU with it).
+
+    Why: torch keeps no statistics of its CPU allocator (CUDA has `max_memory_allocated`), and the process's
+    resident set (VmHWM) does not see memory that glibc hands out again from its own heap: a second probe of the
+    same size grows it by 0 bytes. A dispatch mode sees every op, autograd's backward included, and each new
+    storage is counted once until it is freed (a weakref's finalizer). `TorchDispatchMode` is documented in
+    "Extending PyTorch" but lives in the private `torch.utils._python_dispatch`.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.live = self.peak = 0
+        self._counted: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for tensor in _tensors(out):
+            storage = tensor.untyped_storage()
+            key = storage.data_ptr()
+            if tensor.device.type == "cpu" and key and key not in self._counted:
+                self._counted.add(key)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._freed, key, storage.nbytes())
+        return out
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        self._counted.discard(key)
+        self.live -= nbytes
+
+
+def _tensors(out) -> Iterator[torch.Tensor]:
+    if isinstance(out, torch.Tensor):
+        yield out
+    elif isinstance(out, list | tuple):
+        for item in out:
+            yield from _tensors(item)
+
+
+def _counts_cpu_allocations() -> bool:
+    with CpuAllocations() as counter:
+        kept = torch.ones(256)  # 1 KiB, kept
+        torch.ones(1024).sum()  # 4 KiB, freed at once
+    return (counter.peak, counter.live) == (4096 + 1024 + 4, 1024) and kept.numel() == 256
+
+
 def _has_rank_command() -> bool:
     source = inspect.getsource(subprocess_script._SubprocessScriptLauncher._call_children_scripts)
     return hasattr(subprocess_script, "_hydra_subprocess_cmd") and "_hydra_subprocess_cmd(" in source
@@ -147,4 +198,5 @@ TOUCHES: list[tuple[str, Callable[[], bool]]] = [
     ("DDPStrategy._start_method", lambda: ddp_start_method(DDPStrategy(start_method="spawn")) == "spawn"),
     ("hydra JobReturn._return_value", _job_return_keeps_error),
     ("torch SummaryWriter._get_file_writer", _summary_writer_has_file_writer),
+    ("torch.utils._python_dispatch.TorchDispatchMode", _counts_cpu_allocations),
 ]

@@ -82,13 +82,13 @@ def read_job(job_dir: Path) -> Job:
     )
 
 
-def flatten(tree: dict, prefix: str = "") -> dict[str, str]:
+def flatten(tree: dict, prefix: str = "", as_text: bool = True) -> dict:
     flat = {}
     for key, value in tree.items():
         if isinstance(value, dict):
-            flat |= flatten(value, f"{prefix}{key}.")
+            flat |= flatten(value, f"{prefix}{key}.", as_text)
         else:
-            flat[f"{prefix}{key}"] = str(value)
+            flat[f"{prefix}{key}"] = str(value) if as_text else value
     return flat
 
 
@@ -99,12 +99,14 @@ def _read_json(path: Path) -> dict:
 def results_table(jobs: list[Job]) -> tuple[list[str], list[dict]]:
     """Columns and rows of results.csv: who the job was, how it ended, what it swept, what it measured."""
     swept = sorted({k for job in jobs for k in job.params})
-    measured = sorted({k for job in jobs for k in job.metrics} - {"status"})
+    # A nested record (batch_fit) becomes a column per key: batch_fit.micro_batch, ...
+    figures = [flatten(job.metrics, as_text=False) for job in jobs]
+    measured = sorted({k for figure in figures for k in figure} - {"status"})
     columns = ["job", "status", "error", "overrides", *swept, *measured, "dir"]
     rows = []
-    for job in jobs:
+    for job, figure in zip(jobs, figures, strict=True):
         row = {"job": job.num, "status": job.status, "error": job.error, "overrides": " ".join(job.overrides)}
-        row |= job.params | {k: v for k, v in job.metrics.items() if k != "status"}
+        row |= job.params | {k: v for k, v in figure.items() if k != "status"}
         rows.append(row | {"dir": str(job.dir)})
     return columns, rows
 

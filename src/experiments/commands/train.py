@@ -13,6 +13,7 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
+from experiments import batch_fit
 from experiments.callbacks import configured_callbacks, early_stop_record
 from experiments.config.checks import check_config, check_shapes
 from experiments.dashboard import Dashboard, run_name
@@ -81,11 +82,19 @@ class TrainRecipe:
         self.trainer = self._trainer()
         self.data = instantiate(cfg.data)
         self.data.setup("fit")
-        check_shapes(cfg.data.batch_size, len(self.data.x_train), cfg.model.in_features, self.data.num_features)
+        # batch.effective: the micro-batch and accumulation, measured on this device (the config then holds them).
+        self.cfg, self.batch_fit = batch_fit.fit_into(
+            cfg, self.trainer, self.data, self.perf, self.resumed, self.rank.zero
+        )
+        cfg = self.cfg
+        check_shapes(
+            cfg.data.batch_size, len(self.data.x_train), cfg.model.in_features, self.data.num_features,
+            cfg.trainer.accumulate_grad_batches,
+        )  # fmt: skip
         if self.resumed:
             check_fits(self.resumed, self.data.num_features, cfg.model.out_features)
         # The checkpoint carries the run's config and column names, for eval.py and predict.py.
-        self.trainer.callbacks.append(RunRecord(cfg, self.data.feature_names, self.data.target_name))
+        self.trainer.callbacks.append(RunRecord(cfg, self.data.feature_names, self.data.target_name, self.batch_fit))
         net = instantiate(cfg.model, in_features=self.data.num_features)
         optimizer, scheduler = instantiate(cfg.optimizer), instantiate(cfg.scheduler)
         self.module = Regressor(net, optimizer, self.data.feature_mean, self.data.feature_std, scheduler=scheduler)
@@ -121,7 +130,7 @@ class TrainRecipe:
         )
 
     def fit(self) -> dict:
-        status = "failed"
+        status, out_of_memory_error = "failed", None
         if self.rank.zero:
             self.dashboard.start(self.trainer, self.data)
         try:
@@ -132,10 +141,14 @@ class TrainRecipe:
             status = None if stop.checkpoint is None else "interrupted"  # None: before training, nothing to record
             raise
         except torch.OutOfMemoryError as err:
-            raise out_of_memory(err, self.cfg.data.batch_size, self.cfg.trainer.accumulate_grad_batches) from None
+            out_of_memory_error = str(err).splitlines()[0]  # the error's frames hold the step's tensors: let them go
         finally:
             if status is not None:
                 self.metrics = self.finish(status)
+        if out_of_memory_error is not None:
+            cfg = self.cfg
+            advice = batch_fit.suggestion(cfg, self.trainer, self.data)  # measured now that the step's memory is free
+            raise out_of_memory(out_of_memory_error, cfg.data.batch_size, cfg.trainer.accumulate_grad_batches, advice)
         return self.metrics
 
     def finish(self, status: str) -> dict:
@@ -153,6 +166,7 @@ class TrainRecipe:
             **early_stop_record(trainer),
             data_device=str(data.x_train.device),
             data_pinned=data.pins_batches,
+            batch_fit=self.batch_fit.record if self.batch_fit else None,
             wall_time_s=time.time() - self.started,
         )
         if trainer.is_global_zero:

@@ -82,6 +82,10 @@ RULES = [
     ("optimizer.lr", lambda v: _real(v) and v > 0, "a finite number > 0"),
     ("optimizer.momentum", lambda v: _real(v) and 0 <= v < 1, "a number from 0 up to, not including, 1"),
     ("optimizer.weight_decay", lambda v: _real(v) and v >= 0, "a finite number >= 0"),
+    ("batch.effective", lambda v: v is None or (_integer(v) and v >= 1), "null (off), or an integer >= 1"),
+    ("batch.memory_mb", lambda v: v is None or (_real(v) and v > 0), "null (measured), or a number of MiB > 0"),
+    ("batch.gpu_margin", lambda v: _real(v) and 0 <= v < 1, "a share from 0 up to, not including, 1"),
+    ("batch.cpu_share", lambda v: _real(v) and 0 < v <= 1, "a share above 0, up to 1"),
 ]
 
 _ABSENT = object()
@@ -142,21 +146,52 @@ def _check_synthetic_shapes(cfg: DictConfig) -> None:
     if samples is None or features is None:
         return
     train = samples - round(samples * cfg.data.val_fraction)  # as RegressionData.setup splits
-    check_shapes(cfg.data.batch_size, train, OmegaConf.select(cfg, "model.in_features"), features)
+    effective = OmegaConf.select(cfg, "batch.effective")
+    in_features = OmegaConf.select(cfg, "model.in_features")
+    if effective is not None:  # it chooses data.batch_size and the accumulation (experiments.batch_fit)
+        check_effective(effective, world_size(cfg.trainer) or 1, train)
+        check_shapes(1, train, in_features, features)
+    else:
+        check_shapes(cfg.data.batch_size, train, in_features, features, cfg.trainer.accumulate_grad_batches)
 
 
-def check_shapes(batch_size: int, train_samples: int, in_features: int | None, num_features: int) -> None:
-    """A global batch must fit in the training split, and the model must take the data's features
-    (`in_features` None: it follows the data). From the config for synthetic data, from the data once read."""
+def check_shapes(
+    batch_size: int, train_samples: int, in_features: int | None, num_features: int, accumulate: int = 1
+) -> None:
+    """A global batch, and an optimizer step's `accumulate` of them, must fit in the training split, and the model
+    must take the data's features (`in_features` None: it follows the data). From the config for synthetic data,
+    from the data once read."""
     if batch_size > train_samples:
         raise ConfigError(
             f"data.batch_size={batch_size} is larger than the training split ({train_samples} samples); "
             f"allowed: 1 to {train_samples}"
         )
+    if batch_size * accumulate > train_samples:
+        raise ConfigError(
+            f"data.batch_size={batch_size} x trainer.accumulate_grad_batches={accumulate} = {batch_size * accumulate} "
+            f"samples an optimizer step is more than the training split ({train_samples} samples): an epoch would "
+            f"hold no whole step; allowed: trainer.accumulate_grad_batches from 1 to {train_samples // batch_size}"
+        )
     if in_features is not None and in_features != num_features:
         raise ConfigError(
             f"model.in_features={in_features} does not match the data's {num_features} features; "
             "allowed: null (follow the data) or the data's feature count"
+        )
+
+
+def check_effective(effective: int, ranks: int, train_samples: int | None = None) -> None:
+    """batch.effective must split over the ranks and fit in the training split (when known: from the config for
+    synthetic data, from the data once read, experiments.batch_fit)."""
+    if effective % ranks:
+        lower, upper = effective // ranks * ranks, (effective // ranks + 1) * ranks
+        raise ConfigError(
+            f"batch.effective={effective} does not split over {ranks} ranks; allowed: a multiple of {ranks}, e.g. "
+            f"{' or '.join(str(b) for b in (lower, upper) if b)}"
+        )
+    if train_samples is not None and effective > train_samples:
+        raise ConfigError(
+            f"batch.effective={effective} is larger than the training split ({train_samples} samples): no optimizer "
+            f"step would fit in an epoch; allowed: {ranks} to {train_samples // ranks * ranks}"
         )
 
 
@@ -227,7 +262,10 @@ def check_strategy(cfg: DictConfig) -> None:
         )
     ranks = world_size(trainer)
     batch = OmegaConf.select(cfg, "data.batch_size")  # None for eval.py's check of its trainer alone
-    if ranks and batch and batch % ranks:
+    effective = OmegaConf.select(cfg, "batch.effective")
+    if ranks and effective is not None:  # the fit chooses data.batch_size, a multiple of the ranks
+        check_effective(effective, ranks)
+    elif ranks and batch and batch % ranks:
         lower, upper = batch // ranks * ranks, (batch // ranks + 1) * ranks
         raise ConfigError(
             f"data.batch_size={batch} does not split over {ranks} ranks (trainer.devices={trainer.devices} x "

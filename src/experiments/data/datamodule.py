@@ -125,6 +125,7 @@ class RegressionData(L.LightningDataModule):
             drop_last=shuffle,
             clock=self.batch_clock if shuffle else None,  # training batches only: validation is left out
             pin_memory=self.pins_batches,
+            accumulate=trainer.accumulate_grad_batches if trainer and shuffle else 1,  # whole optimizer steps
         )
 
     def _place_on_device(self) -> None:
@@ -159,4 +160,3 @@ class RegressionData(L.LightningDataModule):
     def val_dataloader(self) -> BatchLoader:
         self._place_on_device()
         return self._loader(self.x_val, self.y_val, shuffle=False)
-

@@ -42,8 +42,11 @@ class BatchLoader:
     the step itself for a model this small (design.md, known traps). Indexing with one index tensor per
     batch is a single gather, on the device when the tensors live there.
 
-    Training batches drop the incomplete last global batch so that every rank always holds an equal share;
-    evaluation batches keep it and split it as evenly as it goes (torchmetrics sums over ranks exactly).
+    Training batches drop the incomplete last global batch so that every rank always holds an equal share, and
+    the batches short of a whole optimizer step (`accumulate` of them), so that every step of an epoch has the
+    effective batch and an accumulated run trains as one with the effective batch would (Lightning would step on
+    the remainder); evaluation batches keep every row and split the last batch as evenly as it goes
+    (torchmetrics sums over ranks exactly).
 
     `clock` (a BatchClock) adds up the host time spent forming batches. `pin_memory` gathers each batch
     straight into page-locked host memory, from which a copy to a GPU is a DMA that need not block the host
@@ -64,6 +67,7 @@ class BatchLoader:
         drop_last: bool = True,
         clock: BatchClock | None = None,
         pin_memory: bool = False,
+        accumulate: int = 1,
     ):
         self.x, self.y = x, y
         self.clock = clock or BatchClock()
@@ -72,12 +76,15 @@ class BatchLoader:
         self.sampler = sampler
         self.rank, self.world_size = rank, world_size
         self.drop_last = drop_last
+        self.accumulate = accumulate
         self.epoch, self.batches = sampler.epoch, 0  # the position: batches handed out in this epoch
         self.resume_at: tuple[int, int] | None = None
 
     def __len__(self) -> int:
         n = len(self.x)
-        return n // self.batch_size if self.drop_last else -(-n // self.batch_size)
+        if not self.drop_last:
+            return -(-n // self.batch_size)
+        return n // (self.batch_size * self.accumulate) * self.accumulate
 
     def state_dict(self) -> dict[str, int]:
         # Lightning keeps this in its checkpoints and hands it back on resume, so that an epoch interrupted
@@ -113,4 +120,3 @@ class BatchLoader:
     def _pinned(t: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         out = torch.empty((len(index), *t.shape[1:]), dtype=t.dtype, pin_memory=True)
         return torch.index_select(t, 0, index, out=out)
-

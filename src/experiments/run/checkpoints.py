@@ -6,6 +6,7 @@ with one line naming the setting, before any work. `check_fits` then refuses a m
 fit the data.
 """
 
+import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -30,14 +31,15 @@ PICKLE_MAGIC = b"\x80"  # a pickle of protocol 2 or later
 class RunRecord(Callback):
     """Adds to every checkpoint what eval.py and predict.py need and the weights do not say: the run's
     composed config (unresolved, as in `.hydra/config.yaml`, so eval can rebuild the run's data), and the
-    data's feature and target names (None for data without names). Plain values only, so the checkpoint
-    still loads with `torch.load(weights_only=True)`."""
+    data's feature and target names (None for data without names), and batch.effective's fit (None when off),
+    which a resumed run keeps. Plain values only, so the checkpoint still loads with `torch.load(weights_only=True)`."""
 
-    def __init__(self, cfg: DictConfig, feature_names: list[str] | None, target_name: str | None):
+    def __init__(self, cfg: DictConfig, feature_names: list[str] | None, target_name: str | None, batch_fit=None):
         self.record = {
             "config": OmegaConf.to_container(cfg, resolve=False),
             "feature_names": None if feature_names is None else list(feature_names),
             "target_name": target_name,
+            "batch_fit": None if batch_fit is None else dataclasses.asdict(batch_fit),
         }
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
@@ -53,6 +55,7 @@ class Checkpoint:
     target_name: str | None
     global_step: int  # the optimizer step it resumes at: where a resumed run's curves restart
     setting: str = "ckpt_path"
+    batch_fit: dict | None = None  # batch.effective's fit (experiments.batch_fit.Fit's fields); None when off
 
     @property
     def in_features(self) -> int:
@@ -134,6 +137,7 @@ def load_checkpoint(path: str | Path, setting: str = "ckpt_path") -> Checkpoint:
         record.get("target_name"),
         int(raw.get("global_step", 0)),
         setting,
+        record.get("batch_fit"),
     )
 
 

@@ -12,10 +12,11 @@ class RunFailed(RuntimeError):
     """The run cannot go on, for a reason the message explains with what to change."""
 
 
-def out_of_memory(err: BaseException, batch_size: int, accumulate: int) -> RunFailed:
+def out_of_memory(error: str, batch_size: int, accumulate: int, advice: str) -> RunFailed:
+    """`error`: torch's message's first line; `advice`: what batch.effective would choose (batch_fit.suggestion)."""
     smaller = max(batch_size // 2, 1)
     return RunFailed(
-        f"out of device memory with data.batch_size={batch_size} ({str(err).splitlines()[0]}); try a smaller "
-        f"data.batch_size, e.g. data.batch_size={smaller} trainer.accumulate_grad_batches={accumulate * 2}, "
-        "which keeps the effective batch"
+        f"out of device memory with data.batch_size={batch_size} ({error}); try a smaller data.batch_size, e.g. "
+        f"data.batch_size={smaller} trainer.accumulate_grad_batches={accumulate * 2}, which keeps the effective "
+        f"batch; {advice}"
     )

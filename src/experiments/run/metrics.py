@@ -56,6 +56,11 @@ class Metrics:
     global_batch_size: int = key("samples", "data.batch_size: the global batch of one micro-step")
     effective_batch_size: int = key("samples", "samples per optimizer step: global batch x accumulation")
     accumulate_grad_batches: int = key("", "micro-steps per optimizer step")
+    batch_fit: dict = key(
+        "",
+        "batch.effective's choice (null when off): budget_mb (MiB: one rank's memory budget), bytes_per_sample "
+        "(bytes: what one more sample adds to a step, measured), micro_batch (samples: per rank and micro-step)",
+    )
     global_step: int = key("", "optimizer steps taken")
     epochs: int = key("", "epochs completed (Lightning's current_epoch)")
     data_device: str = key("", "where the data was held: cpu, cuda:0, ...")

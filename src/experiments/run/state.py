@@ -22,6 +22,8 @@ from experiments.run.files import write_atomic
 from experiments.run.layout import RunPaths
 
 IGNORED = ("ckpt_path", "trainer.enable_progress_bar", "trainer.enable_model_summary")
+# With batch.effective set, the batch and accumulation that it chose (and run.yaml records) are not the user's.
+FITTED = ("data.batch_size", "trainer.accumulate_grad_batches")
 
 
 class State(Enum):
@@ -40,10 +42,12 @@ class RunDir:
 
 
 def identity(cfg: DictConfig) -> dict:
-    """What makes two configs the same run: the composed config, resolved, without `IGNORED`."""
+    """What makes two configs the same run: the composed config, resolved, without `IGNORED` (nor `FITTED` when
+    batch.effective chooses them)."""
     tree = OmegaConf.to_container(cfg, resolve=True)
     tree.pop("hydra", None)
-    for key in IGNORED:
+    fitted = (tree.get("batch") or {}).get("effective") is not None
+    for key in IGNORED + (FITTED if fitted else ()):
         *parents, leaf = key.split(".")
         node = tree
         for parent in parents:
@@ -88,9 +92,10 @@ def settle(run_dir: Path, cfg: DictConfig, writer: bool = True) -> RunDir:
 
 
 def claim(run: RunDir, cfg: DictConfig) -> None:
-    """As a fresh run starts training: record its config and a copy of Hydra's `.hydra/` files (rank 0 only).
-    An unfinished run keeps the record it started with."""
-    if run.state is not State.FRESH:
+    """As a run starts training from the beginning (fresh, or unfinished with nothing saved): record the config it
+    trains with and a copy of Hydra's `.hydra/` files (rank 0 only). A run that resumes keeps the record it started
+    with (the same config, and batch.effective's fit from its checkpoint)."""
+    if run.state is not State.FRESH and run.checkpoint is not None:
         return
     paths = RunPaths(run.path)
     write_atomic(paths.run_config, OmegaConf.to_yaml(cfg, resolve=True))

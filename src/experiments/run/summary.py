@@ -65,9 +65,17 @@ def summary_lines(metrics: dict, run_dir: Path) -> list[str]:
     status = metrics["status"]
     if metrics.get("stop_reason"):
         status += f", stopped early at epoch {metrics['stopped_epoch']}: {metrics['stop_message']}"
+    lines = [f"status      {status}", f"val_mse     {fit}"]
+    if fitted := metrics.get("batch_fit"):
+        ranks = metrics["world_size"]
+        lines.append(
+            f"batch       {metrics['effective_batch_size']:,} = micro-batch {fitted['micro_batch']:,} x "
+            f"{metrics['accumulate_grad_batches']} accumulated x {ranks} rank{'s' if ranks > 1 else ''} "
+            f"(batch.effective: the largest that fits {fitted['budget_mb']:,.4g} MiB at "
+            f"{fitted['bytes_per_sample']:,.0f} bytes a sample)"
+        )
     return [
-        f"status      {status}",
-        f"val_mse     {fit}",
+        *lines,
         f"speed       {_figure(metrics.get('samples_per_sec'), ',.0f')} samples/s, "
         f"{_figure(metrics.get('step_time_ms'), '.3f', ' ms')} a step, "
         f"peak memory {_figure(metrics.get('peak_memory_mb'), ',.0f', ' MB')}",
