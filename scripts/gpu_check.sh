@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# bash scripts/gpu_check.sh      (on a machine with a CUDA GPU; about 8 minutes on one; writes docs/gpu.md)
+# bash scripts/gpu_check.sh      (on a machine with a CUDA GPU; about 10 minutes on one; writes docs/gpu.md)
 # Everything that needs a GPU: the tests with CUDA skips, the benchmark's GPU rows (host pageable, host pinned
-# and device-resident data) and the study's GPU claims (transfer, batch). Needs .wheels/ from
+# and device-resident data), batch.effective's fit then one epoch of training (default budget with the data kept on
+# the GPU, and a 256 MiB budget with host data) and the study's GPU claims (transfer, batch, batch_fit). Needs .wheels/ from
 # scripts/gpu_wheels.sh when the machine has no package index (Hydra and its launchers are installed from it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -32,7 +33,11 @@ run() {  # run NAME SECONDS COMMAND...: its output into $LOG/NAME, its exit stat
 CUDA_TESTS=$(grep -l "needs_cuda\|cuda.is_available" tests/test_*.py | tr '\n' ' ')
 run tests 240 python3 -m pytest -q -rs $CUDA_TESTS -k "cuda or gpu or pinned or pageable or dp or memory or precision"
 run benchmark 180 python3 scripts/benchmark.py --gpu-sweep --batch-sizes 64,1024,16384
-run study 120 python3 scripts/study.py --only transfer --only batch --out docs/study_gpu.md
+FIT=(train.py trainer.accelerator=gpu data.num_samples=1000000 data.num_features=1000 batch.effective=65536
+     trainer.max_epochs=1 trainer.enable_progress_bar=false logger=none)
+run batch_fit 120 bash -c "python3 ${FIT[*]} hydra.run.dir=$LOG/fit-default && python3 ${FIT[*]} \
+  data.on_device=false batch.memory_mb=256 hydra.run.dir=$LOG/fit-256 && grep -h -A3 '\"batch_fit\"' $LOG/fit-*/metrics.json"
+run study 180 python3 scripts/study.py --only transfer --only batch --only batch_fit --out docs/study_gpu.md
 
 {
   echo "# GPU check"
@@ -45,7 +50,7 @@ run study 120 python3 scripts/study.py --only transfer --only batch --out docs/s
   nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
   python3 -c "import torch, lightning, platform; print('python', platform.python_version(), '| torch', torch.__version__, '| CUDA', torch.version.cuda, '| lightning', lightning.__version__)"
   echo '```'
-  for name in tests benchmark study; do
+  for name in tests benchmark batch_fit study; do
     echo
     echo "## $name (exit $(cat "$LOG/$name.rc"))"
     echo

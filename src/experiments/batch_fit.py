@@ -119,7 +119,7 @@ def measure(cfg: DictConfig, trainer: L.Trainer, data: RegressionData, effective
         if step is not None:
             limit = min(limit, math.floor((budget - fixed) * micro / (resident + step - fixed)))
     one = fixed + per_sample
-    data_part = f", the data kept on the GPU {resident / MiB:.4g} MiB" if resident else ""
+    data_part = f", of which the data {resident / MiB:.4g} MiB" if resident else ""
     setting = f"batch.memory_mb={spec.memory_mb}" if spec.memory_mb is not None else f"batch.effective={effective}"
     raise ConfigError(
         f"{setting}: a budget of {budget / MiB:.4g} MiB ({budget_from}) does not hold a training step of one "
@@ -226,12 +226,12 @@ def host_data_bytes(data: RegressionData) -> int:
 
 
 def resident_data_bytes(data: RegressionData, device: torch.device) -> int:
-    """The data's bytes on `device` once training starts: its splits and an epoch's order (int64), when
-    `data.on_device` keeps it there; 0 on the CPU (where it already is, before the budget is read)."""
-    nbytes = host_data_bytes(data)
-    if data.x_train.device == device or not keep_on_device(data.on_device, device, nbytes):
-        return 0
-    return nbytes + 8 * len(data.x_train)
+    """What the data adds on `device` once training starts: an epoch's order (int64, made where the data is), and
+    its splits when `data.on_device` will move them there (on the CPU they are there before the budget is read)."""
+    order, nbytes = 8 * len(data.x_train), host_data_bytes(data)
+    if device.type == "cpu" or data.x_train.device == device:
+        return order
+    return nbytes + order if keep_on_device(data.on_device, device, nbytes) else 0
 
 
 def data_row_bytes(data: RegressionData) -> int:

@@ -114,6 +114,9 @@ class BatchLoader:
             )
             self.clock.seconds += time.perf_counter() - began
             yield xb, yb
+            # Let go of this batch before gathering the next: held here, two batches would be alive at the peak of
+            # every step (twice the batch's memory; experiments.batch_fit measures a step with one).
+            del xb, yb
             began = time.perf_counter()
 
     @staticmethod
