@@ -290,11 +290,6 @@ def test_out_of_memory_names_the_option_and_what_it_would_choose(tmp_path, monke
         "trainer.accumulate_grad_batches=1 (a micro-batch of 128 per rank" in str(err.value)  # fmt: skip
 
 
-def test_the_batch_options_start_with_the_command_that_runs_them():
-    for path in (Path(CONFIG_DIR) / "batch").glob("*.yaml"):
-        assert path.read_text().startswith("# python train.py batch.effective="), path
-
-
 # --------------------------------------------------------------------------------------------------- a GPU
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
