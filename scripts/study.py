@@ -350,7 +350,7 @@ def batch_fit_claim(memory_jobs: list[Job], speed_jobs: list[Job], out: Path):
     if not rows:
         return [section], ["No batch_fit job completed: nothing to compare."], gpu_line(speed_jobs, "GPU memory")
     pick = next((r for r in rows if r["budget"] == "default"), None)
-    fig, axes = plt.subplots(1, 3, figsize=(12, 4))
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4.2))
     for ax, key, label in zip(
         axes,
         ("optimizer_step_ms", "samples_per_sec", "peak_memory_mb"),
@@ -362,10 +362,14 @@ def batch_fit_claim(memory_jobs: list[Job], speed_jobs: list[Job], out: Path):
         if pick and pick[key] is not None:
             ax.plot([pick["micro_batch"]], [pick[key]], marker="*", markersize=14, linestyle="", label="default pick")
         log2_axis(ax)
-        ax.set(xlabel="micro-batch (samples; accumulation = effective / micro-batch)", ylabel=label)
+        ax.set(xlabel="micro-batch per rank (samples)", ylabel=label)
+        ax.tick_params(axis="x", labelsize="small")
     axes[0].legend()
     effective = rows[0]["job"].metrics["effective_batch_size"]
-    fig.suptitle(f"One effective batch of {effective}: what the micro-batch costs and what batch.effective picks")
+    fig.suptitle(
+        f"One effective batch of {effective} (accumulation = {effective} / micro-batch): what the micro-batch costs "
+        "and what batch.effective picks"
+    )
     section.plot = save(fig, out / "batch_fit.png")
     lines = []
     fastest = max(rows, key=lambda r: r["samples_per_sec"])
@@ -382,9 +386,8 @@ def batch_fit_claim(memory_jobs: list[Job], speed_jobs: list[Job], out: Path):
         lines.append(
             f"Peak memory (the process's, a process a job) {small['peak_memory_mb']:.4g} MiB at a micro-batch of "
             f"{small['micro_batch']}, {large['peak_memory_mb']:.4g} MiB at {large['micro_batch']}: {slope:.4g} "
-            f"bytes a sample (least squares over the rows), against the {large['bytes_per_sample']:.4g} bytes of "
-            "the step's tensors that the probe counts; the rest is the process's own (the training loop, glibc's "
-            "heap, the background least-squares solve), which the default budget's 50% share leaves room for."
+            f"bytes a sample (least squares over the rows): {slope / large['bytes_per_sample']:.3g} x the "
+            f"{large['bytes_per_sample']:.4g} bytes of the step's tensors that the probe counts."
         )
     over = [r for r in rows if r["micro_batch"] * r["bytes_per_sample"] > r["budget_mb"] * 2**20]
     lines.append(
@@ -394,10 +397,15 @@ def batch_fit_claim(memory_jobs: list[Job], speed_jobs: list[Job], out: Path):
     )
     if pick:
         share = 100 * pick["samples_per_sec"] / fastest["samples_per_sec"]
+        settings = pick["job"].settings
+        if pick["job"].metrics["accelerator"] == "cuda":
+            default = f"the GPU's free memory less {float(settings['batch.gpu_margin']):.0%} of it"
+        else:
+            default = f"{float(settings['batch.cpu_share']):.0%} of the host's available memory"
         lines.append(
-            f"The default budget ({pick['budget_mb']:.4g} MiB: {pick['job'].metrics['accelerator']} memory as "
-            f"conf/batch/default.yaml states it) picks {pick['micro_batch']} x {pick['accumulate_grad_batches']}, "
-            f"{pick['samples_per_sec']:.3g} samples/s: {share:.3g}% of the fastest row."
+            f"The default budget ({pick['budget_mb']:,.0f} MiB: {default}) picks {pick['micro_batch']} x "
+            f"{pick['accumulate_grad_batches']}, {pick['samples_per_sec']:.3g} samples/s: {share:.3g}% of the "
+            "fastest row."
         )
         reference = final_weights(pick["job"])
         worst = max(((final_weights(r["job"]) - reference).norm() / reference.norm()).item() for r in rows)

@@ -15,7 +15,7 @@ inside `torch.random.fork_rng`, so the run's seeded maths is the same as without
 
 import copy
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import lightning as L
@@ -68,9 +68,10 @@ def fit_batch(cfg: DictConfig, trainer: L.Trainer, data: RegressionData, resumed
         return None
     effective, ranks = spec.effective, trainer.world_size
     check_effective(effective, ranks, len(data.x_train))
-    stored = getattr(resumed, "batch_fit", None)
-    if stored and (stored["effective"], stored["ranks"], stored["memory_mb"]) == (effective, ranks, spec.memory_mb):
-        return Fit(**stored)
+    stored = getattr(resumed, "batch_fit", None) or {}  # the checkpoint's (run.checkpoints.RunRecord)
+    same = [stored.get(k) for k in ("effective", "ranks", "memory_mb")] == [effective, ranks, spec.memory_mb]
+    if same and all(f.name in stored for f in fields(Fit)):
+        return Fit(**{f.name: stored[f.name] for f in fields(Fit)})
     if not rank_zero:  # a placeholder that trains nothing: ShareFit replaces it before the loaders are built
         return Fit(effective, ranks, 1, effective // ranks, spec.memory_mb, 0.0, "rank 0's", 0.0, 0.0, 0.0)
     return measure(cfg, trainer, data, effective, spec)
@@ -103,6 +104,11 @@ def measure(cfg: DictConfig, trainer: L.Trainer, data: RegressionData, effective
     small = max(1, min(per_rank // 2, int(min(PROBE_BYTES, budget / 16) // data_row_bytes(data))))
     large = min(2 * small, per_rank)
     peak_small, peak_large = probe.step_bytes(small), probe.step_bytes(large)
+    if peak_small is None or peak_large is None:
+        raise ConfigError(
+            f"batch.effective={effective}: probe steps of {small} and {large} samples ran out of CUDA memory on "
+            f"{device} ({torch.cuda.mem_get_info(device)[0] / MiB:.0f} MiB free); allowed: a GPU with memory free"
+        )
     per_sample = (peak_large - peak_small) / (large - small) if large > small else peak_small
     per_sample = per_sample if per_sample > 0 else peak_large / large  # noise in tiny probes: the whole step
     fixed = resident + max(peak_small - small * per_sample, 0.0)
@@ -119,7 +125,7 @@ def measure(cfg: DictConfig, trainer: L.Trainer, data: RegressionData, effective
         if step is not None:
             limit = min(limit, math.floor((budget - fixed) * micro / (resident + step - fixed)))
     one = fixed + per_sample
-    data_part = f", of which the data {resident / MiB:.4g} MiB" if resident else ""
+    data_part = f", of which the data's {resident / MiB:.4g} MiB" if resident else ""
     setting = f"batch.memory_mb={spec.memory_mb}" if spec.memory_mb is not None else f"batch.effective={effective}"
     raise ConfigError(
         f"{setting}: a budget of {budget / MiB:.4g} MiB ({budget_from}) does not hold a training step of one "
@@ -262,11 +268,6 @@ class ShareFit(Callback):
             raise RunFailed(f"batch.effective was fitted for {self.fit.ranks} ranks and {trainer.world_size} started")
         trainer.accumulate_grad_batches = self.fit.accumulate
         trainer.datamodule.batch_size = self.fit.global_batch
-
-
-def stored(fit: Fit) -> dict:
-    """The fit as a checkpoint keeps it (plain values)."""
-    return asdict(fit)
 
 
 def suggestion(cfg: DictConfig, trainer: L.Trainer, data: RegressionData) -> str:
