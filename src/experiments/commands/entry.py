@@ -50,7 +50,32 @@ def command(config_name: str, task: str, config_dir: str = CONFIG_DIR) -> Callab
     job.__module__, job.__name__ = task.split(":")
     job.__qualname__ = job.__name__
     hydra_main = hydra.main(version_base="1.3", config_path=config_dir, config_name=config_name)(job)
-    return functools.partial(run_command, hydra_main)
+    app = functools.partial(print_help, config_name, config_dir, job.__module__.rsplit(".", 1)[-1])
+    return functools.partial(run_command, hydra_main, app)
+
+
+# Hydra's flags that choose another config than the command's: its own --help then answers.
+OTHER_CONFIG = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd")
+
+
+def print_help(config_name: str, config_dir: str, name: str) -> None:
+    """`--help`: what Hydra's own prints (the config groups and their options, the config the overrides compose),
+    in a fraction of its time. Hydra lists the groups by loading its config repository again for every group,
+    Hydra's own and its plugins' included: about 1.5 s; here the groups are the folders of `conf/`."""
+    from hydra import compose, initialize_config_dir
+
+    overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
+    with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name=name):
+        cfg = compose(config_name, overrides=overrides)
+    root = Path(config_dir)
+    groups = sorted({p.parent.relative_to(root).as_posix() for p in root.rglob("*.yaml") if p.parent != root})
+    options = [f"{g}: {', '.join(sorted(p.stem for p in (root / g).glob('*.yaml')))}" for g in groups]
+    print(f"{name} is powered by Hydra.\n")
+    print("== Configuration groups ==\nCompose your configuration from those groups (group=option)\n")
+    print("\n".join(options) + "\n\n")
+    print("== Config ==\nOverride anything in the config (foo.bar=value)\n")
+    print(OmegaConf.to_yaml(cfg))
+    print("Powered by Hydra (https://hydra.cc)\nUse --hydra-help to view Hydra specific help\n\n")
 
 
 def run_task(task: str, cfg: DictConfig) -> Any:
@@ -58,7 +83,7 @@ def run_task(task: str, cfg: DictConfig) -> Any:
     return run_job(getattr(importlib.import_module(module), function), cfg)
 
 
-def run_command(hydra_main: Callable[[], Any]) -> Any:
+def run_command(hydra_main: Callable[[], Any], app_help: Callable[[], None] | None = None) -> Any:
     """Run a `@hydra.main` function as a command: Hydra's own composition errors become one line and exit 2.
 
     Hydra composes the config inside its `run_and_report`, which prints the error over several lines (a
@@ -67,6 +92,9 @@ def run_command(hydra_main: Callable[[], Any]) -> Any:
     Signals before the run installs its own handling (while Hydra composes) end the command at once with
     128 + the signal's number: there is nothing to save yet.
     """
+    args = sys.argv[1:]
+    if app_help and any(a in ("--help", "-h") for a in args) and not any(a.split("=")[0] in OTHER_CONFIG for a in args):
+        hydra_main = app_help
     if os.environ.get("HYDRA_FULL_ERROR") == "1":
         return hydra_main()
     os.environ["HYDRA_FULL_ERROR"] = "1"
