@@ -108,15 +108,23 @@ class StoragePerEpoch(Callback):
     """Where the training loader's tensors live, at the start of every epoch."""
 
     def __init__(self):
-        self.pointers, self.first_batches = [], []
+        self.pointers = []
 
     def on_train_epoch_start(self, trainer, pl_module):
-        loader = trainer.train_dataloader
+        loader = trainer.train_dataloader.loader  # the windows' loader (experiments.data.StepWindows)
         self.pointers.append((loader.x.data_ptr(), loader.y.data_ptr()))
 
-    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if batch_idx == 0:
-            self.first_batches.append(batch[0].clone())
+
+class Inputs(torch.nn.Linear):
+    """A linear model that keeps a copy of every batch it is given."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.seen = []
+
+    def forward(self, x):
+        self.seen.append(x.clone())
+        return super().forward(x)
 
 
 def test_the_dataset_is_held_once_and_never_copied_per_epoch():
@@ -124,17 +132,18 @@ def test_the_dataset_is_held_once_and_never_copied_per_epoch():
     data.setup()
     setup_storage = (data.x_train.data_ptr(), data.y_train.data_ptr())
     sgd = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
-    module = Regressor(torch.nn.Linear(8, 1), sgd, data.feature_mean, data.feature_std)
+    net = Inputs(8, 1)
+    module = Regressor(net, sgd, data.feature_mean, data.feature_std)
     record = StoragePerEpoch()
     trainer = L.Trainer(
         max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[record],
+        enable_model_summary=False, callbacks=[record], limit_val_batches=0,
     )  # fmt: skip
     trainer.fit(module, datamodule=data)
     # Every epoch slices the tensors made at set-up: shuffling permutes indices, not the data.
     assert record.pointers == [setup_storage] * 3
-    # ... and the epochs are shuffled differently all the same.
-    assert not torch.equal(record.first_batches[0], record.first_batches[1])
+    # ... and the epochs are shuffled differently all the same (8 batches an epoch).
+    assert len(net.seen) == 24 and not torch.equal(net.seen[0], net.seen[8])
 
 
 def test_blockwise_least_squares_matches_the_full_solve_even_when_rank_deficient():
@@ -188,31 +197,64 @@ class Sleep(torch.nn.Module):
 
 
 class SlowCallback(Callback):
-    """Framework time: a callback that sleeps after every batch."""
+    """Framework time: a callback that sleeps after every window of steps (here a step each: log_every_n_steps=1)."""
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         time.sleep(0.010)
 
 
-def test_step_breakdown_finds_each_part_where_it_is_spent():
+def breakdown(net: torch.nn.Module | None = None, *callbacks: Callback) -> dict:
+    """The step breakdown (PerfMonitor's summary) of 3 epochs of 8 steps, a window a step."""
     from experiments.perf import PerfMonitor
 
     data = SyntheticRegression(num_samples=640, num_features=8, batch_size=64, seed=0)
     data.setup()
     sgd = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
-    module = Regressor(Sleep(0.005), sgd, data.feature_mean, data.feature_std)
+    module = Regressor(net or torch.nn.Linear(8, 1), sgd, data.feature_mean, data.feature_std)
     perf = PerfMonitor(global_batch_size=64)
     trainer = L.Trainer(
-        max_epochs=2, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=[perf, SlowCallback()], limit_val_batches=0,
+        max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, callbacks=[perf, *callbacks], limit_val_batches=0, log_every_n_steps=1,
     )  # fmt: skip
     trainer.fit(module, datamodule=data)
     m = perf.summary
-    # The 5 ms sleep is in the forward (compute), the 10 ms one in a callback (framework); slicing is data.
-    assert 5 <= m["compute_ms"] < 10 <= m["framework_ms"]
-    assert 0 < m["data_ms"] < 1
     parts = m["data_ms"] + m["transfer_ms"] + m["compute_ms"] + m["framework_ms"]
     assert parts == pytest.approx(m["step_time_ms"])
+    return m
+
+
+# Each part is measured on its own clock, not derived: slowing one part raises that part alone. The other parts
+# of the tiny model take well under a millisecond a step; 2 ms is room for a busy machine.
+UNMOVED_MS = 2.0
+
+
+def test_a_slow_forward_raises_compute_ms_alone():
+    base, slow = breakdown(), breakdown(Sleep(0.005))
+    assert slow["compute_ms"] - base["compute_ms"] >= 5
+    assert abs(slow["data_ms"] - base["data_ms"]) < UNMOVED_MS
+    assert abs(slow["framework_ms"] - base["framework_ms"]) < UNMOVED_MS
+
+
+def test_a_slow_callback_raises_framework_ms_alone():
+    base, slow = breakdown(), breakdown(None, SlowCallback())
+    assert slow["framework_ms"] - base["framework_ms"] >= 10
+    assert abs(slow["data_ms"] - base["data_ms"]) < UNMOVED_MS
+    assert abs(slow["compute_ms"] - base["compute_ms"]) < UNMOVED_MS
+
+
+def test_a_slow_batch_raises_data_ms_alone(monkeypatch):
+    base = breakdown()
+    gather = torch.index_select  # what forms a training batch (experiments.data.loader)
+
+    def slow_gather(*args, **kwargs):
+        time.sleep(0.0025)
+        return gather(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "index_select", slow_gather)
+    slow = breakdown()
+    assert slow["data_ms"] - base["data_ms"] >= 5  # two gathers a batch: its x and its y
+    assert abs(slow["compute_ms"] - base["compute_ms"]) < UNMOVED_MS
+    assert abs(slow["framework_ms"] - base["framework_ms"]) < UNMOVED_MS
 
 
 def test_breakdown_in_metrics_json_and_tensorboard(tiny_run):

@@ -17,6 +17,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from experiments.commands.train import train
 from experiments.config.errors import ConfigError
+from experiments.data.loader import BatchLoader
 from experiments.module import Regressor
 from experiments.run.exits import RunFailed
 from experiments.run.files import UMASK, AtomicCheckpointIO, write_atomic
@@ -197,15 +198,19 @@ def uninterrupted(tmp_path_factory):
     return run
 
 
-# (hook that sends the signal, at its n-th call, extra overrides, (global_step, epoch) where the run stops).
-# 8 training batches per epoch; the run stops at the end of the optimizer step that the signal falls in.
+# (class and method that send the signal, at its n-th call, extra overrides, (global_step, epoch) where the run
+# stops). 8 training batches per epoch; the run stops at the end of the optimizer step that the signal falls in.
+# Lightning's per-batch hooks run once a window (experiments.windows): a step a window when every step is a log
+# step (TINY), several otherwise; a window draws its micro-batches with `BatchLoader.next_batch`.
 INTERRUPTIONS = {
-    "mid-epoch": ("on_train_batch_start", 5, (), (5, 0)),
-    "first batch": ("on_train_batch_start", 1, (), (1, 0)),
-    "last batch of an epoch": ("on_train_batch_start", 16, (), (16, 1)),
-    "during validation": ("on_validation_batch_start", 1, (), (9, 1)),  # after epoch 0: at the next step
+    "mid-epoch": (Regressor, "on_train_batch_start", 5, (), (5, 0)),
+    "first batch": (Regressor, "on_train_batch_start", 1, (), (1, 0)),
+    "last batch of an epoch": (Regressor, "on_train_batch_start", 16, (), (16, 1)),
+    "during validation": (Regressor, "on_validation_batch_start", 1, (), (9, 1)),  # after epoch 0: at the next step
     # the 4th micro-step is in the 2nd window of 3: the run stops after micro-step 6, at optimizer step 2
-    "mid accumulation": ("on_train_batch_start", 4, ("trainer.accumulate_grad_batches=3",), (2, 0)),
+    "mid accumulation": (BatchLoader, "next_batch", 4, ("trainer.accumulate_grad_batches=3",), (2, 0)),
+    # log steps 4, 8, ...: after the 5 warm-up steps (a window each), steps 6 to 8 are one window
+    "mid-window": (BatchLoader, "next_batch", 7, ("trainer.log_every_n_steps=4",), (7, 0)),
 }
 
 
@@ -218,16 +223,18 @@ INTERRUPTIONS = {
     ],
 )
 def test_interrupted_anywhere_then_resumed_equals_uninterrupted(tmp_path, monkeypatch, uninterrupted, point, signum):
-    hook, at_call, overrides, (step, epoch) = INTERRUPTIONS[point]
+    cls, hook, at_call, overrides, (step, epoch) = INTERRUPTIONS[point]
     calls = []
+    original = getattr(cls, hook)
 
     def send_signal(self, *args):
         calls.append(args)
         if len(calls) == at_call:
             os.kill(os.getpid(), signum)
+        return original(self, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(Regressor, hook, send_signal)
+        patch.setattr(cls, hook, send_signal)
         with pytest.raises(Interrupted) as stop:
             train(compose_config(*RESUMABLE, *overrides), tmp_path / "interrupted")
     assert stop.value.exit_code == 128 + signum

@@ -276,8 +276,8 @@ def test_ranks_above_zero_run_hydra_silently(monkeypatch, env, silent):
 
 
 def test_dataparallel_code_path_on_cpu_equals_single_device(runs, tmp_path, monkeypatch):
-    # Without CUDA, torch.nn.DataParallel calls the module directly: this runs the strategy's capture of
-    # `self.log`, its weighted loss reduction and its logging, though not the scatter over GPUs.
+    # Without CUDA, torch.nn.DataParallel calls the module directly: this runs the strategy's path (the module's
+    # windows of steps with the net's forward pass through DataParallel) and its logging, though not the scatter.
     monkeypatch.setattr("experiments.config.checks.check_strategy", lambda cfg: None)
     cfg = compose_config("strategy=dp", "trainer.accelerator=cpu", "data.batch_size=256", "logger=csv")
     record = train(cfg, tmp_path)

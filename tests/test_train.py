@@ -9,6 +9,7 @@ from conftest import compose_config
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.commands.train import train
+from experiments.data.loader import BatchLoader
 from experiments.module import Regressor
 from experiments.run.exits import RunFailed
 from experiments.run.metrics import NAMES
@@ -61,20 +62,22 @@ def test_seeded_losses_equal_the_stored_numbers(run_in_process):
 
 
 def test_effective_batch_is_what_each_optimizer_step_consumed(run_in_process, monkeypatch):
-    # Count what the run really did: the samples its training steps received, and its optimizer updates.
+    # Count what the run really did: the samples its training steps drew, and its optimizer's updates.
     samples, updates = [], []
-    training_step, optimizer_step = Regressor.training_step, Regressor.optimizer_step
+    next_batch, sgd_step = BatchLoader.next_batch, torch.optim.SGD.step
 
-    def counted_training_step(self, batch, batch_idx):
-        samples.append(len(batch[0]))
-        return training_step(self, batch, batch_idx)
+    def counted_batch(self):
+        batch = next_batch(self)
+        if self.drop_last:  # a training batch (validation keeps the last, short one)
+            samples.append(len(batch[0]))
+        return batch
 
-    def counted_optimizer_step(self, *args, **kwargs):
+    def counted_step(self, *args, **kwargs):
         updates.append(1)
-        return optimizer_step(self, *args, **kwargs)
+        return sgd_step(self, *args, **kwargs)
 
-    monkeypatch.setattr(Regressor, "training_step", counted_training_step)
-    monkeypatch.setattr(Regressor, "optimizer_step", counted_optimizer_step)
+    monkeypatch.setattr(BatchLoader, "next_batch", counted_batch)
+    monkeypatch.setattr(torch.optim.SGD, "step", counted_step)
     metrics, _ = run_in_process("trainer.accumulate_grad_batches=4", "logger=none")
     assert sum(samples) == 2 * 512  # two epochs of the 512-sample training split, in whole batches of 64
     assert set(samples) == {metrics["global_batch_size"]} == {64}

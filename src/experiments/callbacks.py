@@ -4,7 +4,7 @@ from pathlib import Path
 
 import lightning as L
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback, LearningRateMonitor
+from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.callbacks.early_stopping import EarlyStoppingReason
 from omegaconf import DictConfig
 
@@ -12,8 +12,9 @@ from experiments.run.layout import RunPaths
 
 
 def configured_callbacks(cfg: DictConfig, run_dir: Path) -> list[Callback]:
-    """One callback per key of `cfg.callbacks` (a key set to null is left out), and a LearningRateMonitor
-    (`train/lr`) when a scheduler changes the lr and a logger can record it."""
+    """One callback per key of `cfg.callbacks` (a key set to null is left out). (`train/lr` is the module's own
+    point: Lightning's LearningRateMonitor logs at the start of an iteration of Lightning's loop, which runs a
+    window of steps that ends at a log step: experiments.windows.)"""
     callbacks = []
     for name, node in (cfg.callbacks or {}).items():
         if node is None:
@@ -21,9 +22,6 @@ def configured_callbacks(cfg: DictConfig, run_dir: Path) -> list[Callback]:
         # The checkpoint's dir is part of the run dir's layout (resume and `ckpt_path=last` look there).
         runtime = {"dirpath": str(RunPaths(run_dir).checkpoints)} if name == "model_checkpoint" else {}
         callbacks.append(instantiate(node, **runtime))
-    if cfg.scheduler and cfg.logger:
-        # "step": read at the steps the logger writes (log_every_n_steps), not on every step.
-        callbacks.append(LearningRateMonitor(logging_interval="step"))
     return callbacks
 
 

@@ -10,11 +10,15 @@
 - Custom Scalars: one layout that puts every run's curves of a figure in one chart.
 """
 
+import math
 import re
 import time
+from collections.abc import Mapping
 
 import lightning as L
+import torch
 from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
+from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
 from tensorboard.compat.proto.summary_pb2 import Summary
 from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
@@ -26,10 +30,33 @@ from experiments.run.metrics import strategy_name
 
 class TensorBoardLogger(LightningTensorBoardLogger):
     """Lightning's TensorBoardLogger (conf/logger/tensorboard.yaml) without the `epoch` scalar that Lightning adds
-    to every dict it logs: a staircase that Time Series would show as its first card, before any curve."""
+    to every dict it logs: a staircase that Time Series would show as its first card, before any curve.
 
-    def log_metrics(self, metrics, step=None) -> None:
-        super().log_metrics({k: v for k, v in metrics.items() if k != "epoch"}, step)
+    And cheaper at log steps (docs/benchmarks.md): Lightning's writes an event per value, each a trip through the
+    writer thread's queue, and its `save()`, which Lightning calls after every write of logged values, flushes the
+    event file and looks for its hparams file on disk: together about 1 ms a log step, as much as several steps of
+    the seed's model at a small batch. Here the values of a call are one event, and `save()` flushes at most once
+    a second: the events are on disk within a second all the same, and `finalize` (a run's end, a failure, an
+    interruption) flushes them all.
+    """
+
+    FLUSH_EVERY_S = 1.0
+    _flushed_at = -math.inf  # (not set in __init__: the constructor stays Lightning's, which the config binds to)
+
+    @rank_zero_only
+    def log_metrics(self, metrics: Mapping[str, float | torch.Tensor], step: int | None = None) -> None:
+        metrics = {k: v for k, v in metrics.items() if k != "epoch"}
+        if not all(isinstance(v, int | float) or (torch.is_tensor(v) and v.numel() == 1) for v in metrics.values()):
+            return super().log_metrics(metrics, step)  # a dict of values: Lightning's add_scalars
+        metrics = internals.tensorboard_prefixed(self, metrics)
+        values = [Summary.Value(tag=k, simple_value=float(v)) for k, v in metrics.items()]
+        internals.summary_file_writer(self.experiment).add_summary(Summary(value=values), step)
+
+    def save(self) -> None:
+        now = time.monotonic()
+        if now - self._flushed_at >= self.FLUSH_EVERY_S:
+            self._flushed_at = now
+            super().save()
 
 
 FIGURES = "whole_run"  # the tag group of the final figures

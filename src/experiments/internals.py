@@ -17,12 +17,21 @@ import torch
 from hydra.core.utils import JobReturn
 from lightning.fabric.plugins.precision import precision as fabric_precision
 from lightning.fabric.utilities import device_parser
+from lightning.fabric.utilities.logger import _add_prefix
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.loops.fit_loop import _FitLoop
+from lightning.pytorch.loops.optimization.manual import _ManualOptimization
+from lightning.pytorch.loops.progress import _BatchProgress
 from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import subprocess_script
+from lightning.pytorch.trainer import configuration_validator
+from lightning.pytorch.trainer import setup as trainer_setup
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from torch.utils import _python_dispatch
+
+from experiments.windows import Position
 
 
 def is_log_step(trainer: L.Trainer) -> bool:
@@ -47,6 +56,75 @@ def write_step_metrics_now(trainer: L.Trainer) -> None:
 # The attribute Lightning sets on the module before and after every hook call (about 45 a step); the module
 # skips torch's Module.__setattr__ checks for it (experiments.module).
 HOOK_NAME_ATTRIBUTE = "_current_fx_name"
+
+
+def optimize_manually(module: L.LightningModule) -> None:
+    """Switch `module` to manual optimization once the Trainer has checked its settings (the `setup` hook).
+
+    The module's `training_step` runs a window of several micro-batches (experiments.windows), which only manual
+    optimization allows. Lightning's configuration check (`_verify_loop_configurations`, which runs before the
+    `setup` hooks) refuses `accumulate_grad_batches` and `gradient_clip_val` with manual optimization, yet the
+    rest of its loop counts with them as with automatic optimization (`_should_accumulate`,
+    `estimated_stepping_batches`, the restart bookkeeping of a resume): switching after the check keeps the
+    Trainer's settings meaning what they mean, and the module accumulates and clips as Lightning would.
+    """
+    module.automatic_optimization = False
+
+
+def window_position(trainer: L.Trainer, warming_up: bool = False) -> Position:
+    """Where training stands at the start of a window, and what ends one, from Lightning's loop counters (its
+    `batch_idx`, ModelCheckpoint's `_every_n_train_steps`, the time-based `_val_check_time_interval`)."""
+    loop = trainer.fit_loop.epoch_loop
+    every_steps = tuple(
+        c._every_n_train_steps for c in trainer.checkpoint_callbacks if getattr(c, "_every_n_train_steps", 0) > 0
+    )
+    val_every = trainer.val_check_batch
+    if not isinstance(val_every, int) or val_every >= trainer.num_training_batches or not trainer.enable_validation:
+        val_every = None  # validation at the epoch's end only, or never
+    # Several ranks agree on a stop only between iterations; time-based validation is checked after each one.
+    one_step = warming_up or trainer.world_size > 1 or getattr(trainer, "_val_check_time_interval", None) is not None
+    return Position(
+        step=trainer.global_step,
+        batch=loop.batch_idx,  # the window's first batch, which Lightning has counted as `ready`
+        batches=trainer.num_training_batches,
+        accumulate=trainer.accumulate_grad_batches,
+        log_every=trainer.log_every_n_steps,
+        max_steps=trainer.max_steps,
+        every_steps=every_steps,
+        val_every=val_every,
+        val_count=loop.batch_idx if trainer.check_val_every_n_epoch is not None else loop.total_batch_idx,
+        one_step=one_step,
+    )
+
+
+def count_window(trainer: L.Trainer, micro_batches: int, optimizer_steps: int) -> None:
+    """Count a window's micro-batches and optimizer steps in Lightning's loop, as if it had run them one an
+    iteration: Lightning counts the window itself as one batch and, in manual optimization, only the steps of its
+    own optimizer wrapper, which the module bypasses (it costs more than a step of a small model).
+
+    Then `batch_idx`, `num_training_batches`, `val_check_interval`, `limit_train_batches`, the mid-epoch position
+    of a checkpoint and `global_step` mean what they mean with a batch an iteration, and `_batches_that_stepped`
+    (the step at which Lightning writes logged values, and its notion of a log step) counts optimizer steps.
+    """
+    loop = trainer.fit_loop.epoch_loop
+    # Lightning counts the window's first batch (ready and started before the step, processed and completed after).
+    ends_epoch = loop.batch_progress.current.ready + micro_batches - 1 >= trainer.num_training_batches
+    loop.batch_progress.increment_by(micro_batches - 1, is_last_batch=ends_epoch)
+    loop.manual_optimization.optim_step_progress.increment_by(optimizer_steps)
+    # Lightning adds 1 itself after a window that ends at an optimizer step (`on_advance_end`).
+    loop._batches_that_stepped += optimizer_steps - (0 if loop._should_accumulate() else 1)
+
+
+def micro_batches_done(trainer: L.Trainer) -> tuple[int, int]:
+    """Training micro-batches done (in this epoch, in the whole fit, a resume included), from the loop's own
+    counters; from a window's `on_train_batch_end` on, they include the window's."""
+    progress = trainer.fit_loop.epoch_loop.batch_progress
+    return progress.current.processed, progress.total.processed
+
+
+def tensorboard_prefixed(logger, metrics: dict) -> dict:
+    """The metric names a Lightning logger writes: with its `prefix`, which Lightning keeps private."""
+    return _add_prefix(dict(metrics), logger._prefix, logger.LOGGER_JOIN_CHAR)
 
 
 def rebuild_train_loader(trainer: L.Trainer) -> None:
@@ -99,8 +177,9 @@ def job_error(job_return: JobReturn) -> BaseException:
 
 def summary_file_writer(writer):
     """The event file writer behind torch's `SummaryWriter`, to add a ready-made Summary proto (TensorBoard's hparams
-    plugin summaries, experiments.dashboard) to the run's own event file: torch has no public call for that (its
-    `add_hparams` writes into a new sub-run); Lightning's TensorBoardLogger.log_hyperparams does the same."""
+    plugin summaries, and a log step's scalars as one event: experiments.dashboard) to the run's own event file:
+    torch has no public call for that (its `add_hparams` writes into a new sub-run); Lightning's
+    TensorBoardLogger.log_hyperparams does the same. Opened again if the writer was closed, as `add_scalar` does."""
     return writer._get_file_writer()
 
 
@@ -171,6 +250,26 @@ def _fit_loop_keeps_loader() -> bool:
     return "self._combined_loader" in inspect.getsource(_FitLoop.__init__)
 
 
+def _checks_manual_optimization_before_setup() -> bool:
+    """The Trainer checks its settings against manual optimization before the `setup` hooks (optimize_manually)."""
+    run = inspect.getsource(L.Trainer._run)
+    checked, setup = run.find("_verify_loop_configurations(self)"), run.find("call._call_setup_hook(self)")
+    source = inspect.getsource(configuration_validator._verify_loop_configurations)
+    return 0 <= checked < setup and "__verify_manual_optimization_support" in source
+
+
+def _loop_counts_windows() -> bool:
+    """The counters that count_window and window_position read and advance."""
+    loop = inspect.getsource(_TrainingEpochLoop.__init__) + inspect.getsource(_ManualOptimization.__init__)
+    return (
+        all(f"self.{name}" in loop for name in ("batch_progress", "_batches_that_stepped", "optim_step_progress"))
+        and callable(getattr(_BatchProgress, "increment_by", None))
+        and isinstance(_TrainingEpochLoop.batch_idx, property)
+        and isinstance(_TrainingEpochLoop.total_batch_idx, property)
+        and "trainer._val_check_time_interval" in inspect.getsource(trainer_setup)
+    )
+
+
 def _job_return_keeps_error() -> bool:
     return "_return_value" in {f.name for f in dataclasses.fields(JobReturn)}
 
@@ -199,4 +298,8 @@ TOUCHES: list[tuple[str, Callable[[], bool]]] = [
     ("hydra JobReturn._return_value", _job_return_keeps_error),
     ("torch SummaryWriter._get_file_writer", _summary_writer_has_file_writer),
     ("torch.utils._python_dispatch.TorchDispatchMode", _counts_cpu_allocations),
+    ("manual optimization checked before setup", _checks_manual_optimization_before_setup),
+    ("_TrainingEpochLoop's batch_progress, _batches_that_stepped, optim_step_progress", _loop_counts_windows),
+    ("ModelCheckpoint._every_n_train_steps", lambda: ModelCheckpoint(every_n_train_steps=3)._every_n_train_steps == 3),
+    ("TensorBoardLogger._prefix", lambda: TensorBoardLogger(".", prefix="p")._prefix == "p"),
 ]

@@ -1,7 +1,9 @@
 """The LightningModule: it composes a plain model and owns the loss, the optimizer and the metrics."""
 
 import inspect
+import math
 from collections.abc import Callable
+from time import perf_counter
 
 import lightning as L
 import torch
@@ -9,9 +11,12 @@ import torch.nn.functional as F
 from torchmetrics import MeanAbsoluteError, MeanSquaredError, MetricCollection, R2Score
 
 from experiments import internals
-from experiments.divergence import check_loss
+from experiments.data.loader import BatchLoader
+from experiments.divergence import diverged
 from experiments.log_steps import is_log_step
 from experiments.perf import ComputeClock
+from experiments.run.interruption import Interruption
+from experiments.windows import WARMUP_BATCHES, window_batches
 
 
 class Regressor(L.LightningModule):
@@ -38,6 +43,7 @@ class Regressor(L.LightningModule):
         self.register_buffer("feature_mean", feature_mean.clone())
         self.register_buffer("feature_std", feature_std.clone())
         self.compute_clock = ComputeClock()  # forward, backward and update, read by PerfMonitor (compute_ms)
+        self.forward_net: Callable | None = None  # the net's forward pass in training; strategy=dp sets it
         self.val_metrics = MetricCollection(
             {"mse": MeanSquaredError(), "mae": MeanAbsoluteError(), "r2": R2Score()}, prefix="val/"
         )
@@ -61,34 +67,106 @@ class Regressor(L.LightningModule):
     def predict_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
         return self.predict_raw(batch[0])  # predict.py feeds raw inputs (its batches carry no targets)
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        self.compute_clock.start(micro_step=True)
-        x, y = batch
-        loss = F.mse_loss(self(x), y)
-        self.compute_clock.stop()
-        self.last_loss = loss.detach()  # metrics.json's train_loss: read once, after the fit
-        # `self.log` costs more than a step of a small model (its result collection re-walks its state on
-        # every call), so it is called only on the steps that the logger writes (experiments.log_steps). A
-        # tensor, not `.item()`, and no progress-bar entry: nothing here waits for the device.
-        if is_log_step(self.trainer):
-            self.log("train/loss", loss)
-        # Before the backward pass, so a diverged step never reaches the weights or a checkpoint.
-        check_loss(loss, self.trainer, batch_idx)
-        return loss
+    def setup(self, stage: str) -> None:
+        if stage == "fit":
+            internals.optimize_manually(self)  # a window of steps a training_step: only manual optimization allows it
 
-    # The compute clock's other two brackets: the backward pass, and the optimizer's update, which runs after
-    # the closure (forward and backward) inside `optimizer.step`, from `on_before_optimizer_step` on.
-    def backward(self, loss: torch.Tensor, *args, **kwargs) -> None:
-        self.compute_clock.start()
-        super().backward(loss, *args, **kwargs)
-        self.compute_clock.stop()
+    def on_train_start(self) -> None:
+        trainer = self.trainer
+        self._optimizer = trainer.optimizers[0]  # torch's own: Lightning's wrapper costs as much as a small step
+        configs = trainer.lr_scheduler_configs
+        self._scheduler = configs[0].scheduler if configs else None
+        self._scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: the gradient scaler
+        self._interruption = next((c for c in trainer.callbacks if isinstance(c, Interruption)), None)
+        self._fit_batches = 0  # micro-batches of this fit: the first ones run a step a window (windows.py)
 
-    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
-        self.compute_clock.start()
+    def training_step(self, window: BatchLoader, batch_idx: int) -> None:
+        """One window (experiments.windows): micro-batches drawn from `window`, each a forward pass, the MSE and
+        its backward pass, and at the end of each accumulation an optimizer step (and a scheduler step), in plain
+        PyTorch, as Lightning's automatic optimization would run them: the loss divided by
+        `accumulate_grad_batches`, gradients clipped as the Trainer says, DDP's all-reduce in the backward pass
+        of a step's last micro-batch only, the gradients set to None after the step. A signal
+        (experiments.run.interruption) ends the window at the next optimizer step.
 
-    def optimizer_step(self, *args, **kwargs) -> None:
-        super().optimizer_step(*args, **kwargs)
-        self.compute_clock.stop(step_done=True)
+        The compute clock (compute_ms) times each micro-batch from its forward pass to the end of its update, the
+        loader's clock (data_ms) the forming of its batch; what is left of the window is the framework's.
+        """
+        trainer = self.trainer
+        at = internals.window_position(trainer, warming_up=self._fit_batches < WARMUP_BATCHES)
+        batches = window_batches(at)
+        accumulate = at.accumulate
+        optimizer, scheduler, scaler, clip = self._optimizer, self._scheduler, self._scaler, trainer.gradient_clip_val
+        sync = trainer.strategy.pre_backward if trainer.world_size > 1 else None  # DDP: all-reduce in this backward
+        forward = self.forward_net or self.net  # strategy=dp: the net's forward pass scattered over the GPUs
+        interruption, clock = self._interruption, self.compute_clock
+        host_clock = not clock.cuda  # on the host clock (CPU), timed here: two clock reads a micro-batch
+        check_every = self.device.type == "cpu"  # elsewhere reading the loss waits for the device: once a window
+        done = steps = 0
+        seconds = 0.0
+        lr = None
+        try:
+            while done < batches:
+                x, y = window.next_batch()
+                done += 1
+                ends_step = (at.batch + done) % accumulate == 0 or at.batch + done == at.batches
+                if host_clock:
+                    began = perf_counter()
+                else:
+                    clock.start(micro_step=True)
+                mse = F.mse_loss(forward(x), y)
+                # Before the backward pass, so a diverged step never reaches the weights or a checkpoint.
+                if (check_every or done == batches) and not math.isfinite(mse.item()):
+                    raise diverged(mse, trainer, at.step + steps, at.batch + done - 1)
+                loss = mse / accumulate if accumulate > 1 else mse
+                if ends_step and sync:
+                    sync(loss)
+                (scaler.scale(loss) if scaler else loss).backward()
+                if ends_step:
+                    if clip:
+                        if scaler:
+                            scaler.unscale_(optimizer)
+                        self.clip_gradients(optimizer, clip, trainer.gradient_clip_algorithm)
+                    if scaler:
+                        scaler.step(optimizer)
+                        scaler.update()
+                    else:
+                        optimizer.step()
+                    optimizer.zero_grad()
+                    if scheduler is not None:
+                        lr = optimizer.param_groups[0]["lr"]  # the lr this step used: train/lr
+                        scheduler.step()
+                    steps += 1
+                if host_clock:
+                    seconds += perf_counter() - began
+                else:
+                    clock.stop(step_done=ends_step)
+                del x, y  # one batch alive at a time (experiments.batch_fit measures a step with one)
+                if ends_step and interruption is not None and interruption.signum is not None:
+                    break
+        finally:
+            internals.count_window(trainer, done, steps)
+            self._fit_batches += done
+            if host_clock:
+                clock.add(seconds, done)
+        self.last_loss = mse.detach()  # metrics.json's train_loss: read once, after the fit
+        if is_log_step(trainer):  # the window ends at a log step (experiments.windows)
+            self._log_step(self.last_loss, lr)
+
+    def _log_step(self, loss: torch.Tensor, lr: float | None) -> None:
+        """`train/loss` (and with a scheduler `train/lr`, the lr the step used) of a log step, written straight to
+        the loggers, at the step at which Lightning writes what `self.log` collects (the step's index from 0).
+
+        Not `self.log`: Lightning's result collection re-walks its state on every call, about 0.5 ms a log step,
+        as much as several steps of a small model; so these are points in the logs, not `callback_metrics` for a
+        callback to monitor (val/* are). `.item()` waits for the device once a log interval, as Lightning's own
+        logging does.
+        """
+        values = {"train/loss": loss.item()}
+        if lr is not None:
+            values["train/lr"] = lr
+        for logger in self.trainer.loggers:
+            logger.log_metrics(values, step=self.trainer.global_step - 1)
+            logger.save()  # on disk, as Lightning's logger connector does (experiments.log_steps.TensorBoardLogger)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch
@@ -103,12 +181,12 @@ class Regressor(L.LightningModule):
         optimizer = self.make_optimizer(self.parameters())
         if self.make_scheduler is None:
             return optimizer
-        # Lightning saves the scheduler's state in every checkpoint and restores it on resume; "step" steps it
-        # after each optimizer step (not micro-step); the name is LearningRateMonitor's tag.
+        # Lightning saves the scheduler's state in every checkpoint and restores it on resume; training_step steps
+        # it after each optimizer step (not micro-step) and logs its lr as train/lr.
         scheduler = self.make_scheduler(optimizer, **self._run_length(self.make_scheduler))
         return {
             "optimizer": optimizer,
-            "lr_scheduler": {"scheduler": scheduler, "interval": "step", "name": "train/lr"},
+            "lr_scheduler": {"scheduler": scheduler, "interval": "step"},
         }
 
     def _run_length(self, make_scheduler) -> dict[str, int]:

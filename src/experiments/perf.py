@@ -2,7 +2,6 @@
 
 import os
 import resource
-import threading
 import time
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from pathlib import Path
@@ -12,7 +11,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import PassThroughProfiler
 
+from experiments import internals
 from experiments.log_steps import ends_optimizer_step, is_log_step
+from experiments.windows import WARMUP_BATCHES
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -30,10 +31,22 @@ def peak_resident_mb(pid: int | str = "self") -> float | None:
     exec, so a run started by a large process (a benchmark, a sweep launcher) would report the parent's peak.
     """
     try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
+        status = _own_status() if pid == "self" else Path(f"/proc/{pid}/status").read_bytes()
+        return int(status.split(b"VmHWM:", 1)[1].split(None, 1)[0]) / 2**10
+    except (OSError, IndexError, ValueError):
         return None
-    return next((int(line.split()[1]) / 2**10 for line in status.splitlines() if line.startswith("VmHWM:")), None)
+
+
+_status: tuple[int, int] | None = None  # (pid, an open descriptor of its /proc/<pid>/status)
+
+
+def _own_status() -> bytes:
+    """This process's /proc status, read through a descriptor kept open (PerfMonitor reads it every log step:
+    opening the file by its path costs about 0.1 ms, as much as a step of the seed's model)."""
+    global _status
+    if _status is None or _status[0] != os.getpid():  # a forked child opens its own
+        _status = (os.getpid(), os.open(f"/proc/{os.getpid()}/status", os.O_RDONLY))
+    return os.pread(_status[1], 1 << 16, 0)
 
 
 def synchronized_clock(device: torch.device) -> float:
@@ -132,10 +145,11 @@ class TransferClock:
 
 
 class BatchClock:
-    """Host seconds spent forming training batches (BatchLoader's slicing), added to by the loader itself.
+    """Host seconds spent forming training batches (BatchLoader's gather into its reused batch), added to by the
+    loader itself.
 
     Two `time.perf_counter()` reads a batch (about 0.1 us together); on a GPU with device-resident data the
-    slicing only queues a gather, and this is the time to queue it.
+    gather is only queued, and this is the time to queue it.
     """
 
     def __init__(self):
@@ -143,18 +157,15 @@ class BatchClock:
 
 
 class ComputeClock:
-    """Forward, backward and optimizer update of training steps, bracketed by the module (module.py).
+    """Forward, backward and optimizer update of training steps, timed by the module (module.py) around each
+    micro-batch of a window, from its forward pass to the end of its update (the loss check and the scheduler's
+    step included).
 
-    The module calls `start()` and `stop()` around each part: the forward (training_step up to the loss), the
-    backward (its `backward`) and the update (`on_before_optimizer_step` to the end of `optimizer_step`), so
-    Lightning's code between the parts (its closure, hook dispatch, logging) stays out. On the CPU (and MPS,
-    whose kernels run before the host goes on, mostly) the host clock times every micro-step: six clock reads,
-    about 1 us a step in all. On CUDA the host clock would time kernel launches, not kernels: a pair of CUDA
-    events brackets each part of one optimizer step per log interval (`sample()`), read only after the
-    monitor has synchronised, so no step waits for the device and the other steps record nothing.
-
-    Only the thread that bound the clock is timed: under strategy=dp the replicas' forward passes run in
-    threads of their own, and compute_ms then counts the backward and the update.
+    On the CPU (and MPS, whose kernels run before the host goes on, mostly) the host clock times every
+    micro-step: the module reads `time.perf_counter()` itself, twice a micro-batch, and `add`s a window's total.
+    On CUDA the host clock would time kernel launches, not kernels: a pair of CUDA events brackets one optimizer
+    step per log interval (`sample()`, `start()`, `stop()`), read only after the monitor has synchronised, so no
+    step waits for the device and the other steps record nothing.
     """
 
     def __init__(self):
@@ -164,12 +175,10 @@ class ComputeClock:
         self.active = True  # host clock: always; CUDA: during a sampled optimizer step
         self.pending: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._start = None
-        self._thread = threading.get_ident()
 
     def bind(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
         self.active = not self.cuda
-        self._thread = threading.get_ident()
 
     def sample(self) -> None:
         """Time the next optimizer step (CUDA; on the host clock every step is timed anyway)."""
@@ -183,7 +192,7 @@ class ComputeClock:
         return time.perf_counter()
 
     def start(self, micro_step: bool = False) -> None:
-        if not self.active or threading.get_ident() != self._thread:
+        if not self.active:
             return
         self.micro_steps += micro_step
         self._start = self._now()
@@ -198,6 +207,11 @@ class ComputeClock:
             self.seconds += time.perf_counter() - self._start
         self._start = None
 
+    def add(self, seconds: float, micro_steps: int) -> None:
+        """Host-clock time the module measured itself (a method call a micro-batch would cost more than its reads)."""
+        self.seconds += seconds
+        self.micro_steps += micro_steps
+
     def total(self) -> tuple[float, int]:
         """(seconds, micro-steps) timed so far; call it after a device sync, so that every event has completed."""
         self.seconds += sum(start.elapsed_time(end) for start, end in self.pending) / 1e3
@@ -209,22 +223,24 @@ class PerfMonitor(Callback):
     """Steady-state step time and throughput, where a step's time goes, peak memory and start-up time.
 
     Step time counts micro-steps (one global batch of `data.batch_size` samples each). The clock starts at the
-    first optimizer-step boundary after `warmup_steps` micro-steps, so start-up and first-step compilation stay
-    out of the steady state: step time = (T(N) - T(warmup)) / (N - warmup), with time spent in validation left
-    out. The device is synchronised only when a figure is read: on log steps (experiments.log_steps), around
-    validation and at the end.
+    first optimizer-step boundary after `warmup_steps` micro-steps (the first windows run a step each:
+    experiments.windows), so start-up and first-step compilation stay out of the steady state: step time =
+    (T(N) - T(warmup)) / (N - warmup), with time spent in validation left out. Its hooks run once a window, and
+    count the window's micro-batches from Lightning's counters. The device is synchronised only when a figure
+    is read: on log steps (experiments.log_steps), around validation and at the end.
 
     A step's time is split into `data_ms` (forming the batch: BatchClock), `transfer_ms` (host-to-device
     copies: TransferClock), `compute_ms` (forward, backward and optimizer update: ComputeClock) and
-    `framework_ms`, the rest: Lightning's loop, hooks, callbacks and logging. Each of the first three is
-    timed on its own, so the rest is a measurement too (it would come out negative if the parts overlapped).
+    `framework_ms`, the rest: Lightning's loop, hooks, callbacks and logging, and the window's own loop. Each
+    of the first three is timed on its own, so the rest is a measurement too (it would come out negative if the
+    parts overlapped).
 
     TensorBoard's `perf/*` points describe the interval since the previous point; `summary` (metrics.json)
     the whole steady state. `startup_s` runs from `started_at` (`run_start_time()`: the start of the process
     for its first run, of the run for later ones) to the start of the first step.
     """
 
-    def __init__(self, global_batch_size: int, warmup_steps: int = 5, started_at: float | None = None):
+    def __init__(self, global_batch_size: int, warmup_steps: int = WARMUP_BATCHES, started_at: float | None = None):
         self.global_batch_size = global_batch_size
         self.warmup_steps = warmup_steps
         self.summary: dict[str, float] = {}
@@ -239,7 +255,7 @@ class PerfMonitor(Callback):
         self.compute_clock.sample()
         self.batch_clock = getattr(trainer.datamodule, "batch_clock", None) or BatchClock()
         self.transfer_clock = getattr(trainer.datamodule, "transfer_clock", None)
-        self.steps = 0
+        self.steps, self.steps_before = 0, internals.micro_batches_done(trainer)[1]  # a resume counts from there
         self.paused = self.paused_transfer = 0.0  # seconds in validation, and in its copies, since the fit began
         self.first_step_at = None
         self.fit_start = self._mark(pl_module)
@@ -250,7 +266,7 @@ class PerfMonitor(Callback):
             self.first_step_at = time.time()
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
-        self.steps += 1
+        self.steps = internals.micro_batches_done(trainer)[1] - self.steps_before  # the window's included
         if self.steady_start is None:
             if self.steps >= self.warmup_steps and ends_optimizer_step(trainer):
                 self.steady_start = self.interval_start = self._mark(pl_module)

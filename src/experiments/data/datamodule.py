@@ -7,8 +7,8 @@ from functools import cached_property
 import lightning as L
 import torch
 
-from experiments.data.least_squares import least_squares, solve_in_background
-from experiments.data.loader import BatchLoader, EpochShuffle
+from experiments.data.least_squares import least_squares
+from experiments.data.loader import BatchLoader, EpochShuffle, StepWindows
 from experiments.perf import BatchClock, TransferClock
 
 # data.on_device=auto keeps the data on a GPU when it takes at most this share of the GPU's memory; the rest
@@ -84,18 +84,12 @@ class RegressionData(L.LightningDataModule):
             self.x_train = (self.x_train - self.feature_mean) / self.feature_std
             self.x_val = (self.x_val - self.feature_mean) / self.feature_std
 
-    def solve_optimum_in_background(self) -> None:
-        """Start solving `optimum` in a thread (least_squares.solve_in_background), so that validations during
-        training can compare with it (time to target) without delaying the first step."""
-        if "optimum" not in self.__dict__ and getattr(self, "_optimum_future", None) is None:
-            self._optimum_future = solve_in_background(self.x_train, self.y_train)
-
-    # Solved when first read (for metrics.json, after training) unless `solve_optimum_in_background` started
-    # it: never in `setup`, where the solve (seconds at d=1000) would delay the first step.
+    # Solved when first read: at the first validation (experiments.target, whose time counts as validation), or
+    # after training, for metrics.json. Never beside the training steps: the solve (17 s at d=1000 on two cores)
+    # would share their cores.
     @cached_property
     def optimum(self) -> tuple[torch.Tensor, torch.Tensor]:
-        future = getattr(self, "_optimum_future", None)
-        return future.result() if future is not None else least_squares(self.x_train, self.y_train)
+        return least_squares(self.x_train, self.y_train)
 
     @cached_property
     def optimal_val_mse(self) -> float:
@@ -113,7 +107,7 @@ class RegressionData(L.LightningDataModule):
         device = self.trainer.strategy.root_device if self.trainer else torch.device("cpu")
         return self.pin_memory is not False and device.type == "cuda" and self.x_train.device.type == "cpu"
 
-    def _loader(self, x: torch.Tensor, y: torch.Tensor, shuffle: bool) -> BatchLoader:
+    def _loader(self, x: torch.Tensor, y: torch.Tensor, shuffle: bool, training: bool) -> BatchLoader:
         trainer = self.trainer
         return BatchLoader(
             x,
@@ -122,10 +116,15 @@ class RegressionData(L.LightningDataModule):
             EpochShuffle(len(x), self.seed, shuffle=shuffle),
             rank=trainer.global_rank if trainer else 0,
             world_size=trainer.world_size if trainer else 1,
-            drop_last=shuffle,
-            clock=self.batch_clock if shuffle else None,  # training batches only: validation is left out
+            drop_last=training,
+            # Training batches only: the breakdown leaves validation out. Lightning copies validation batches to
+            # the device (`transfer_batch_to_device`); a training window's the loader copies itself.
+            clock=self.batch_clock if training else None,
             pin_memory=self.pins_batches,
-            accumulate=trainer.accumulate_grad_batches if trainer and shuffle else 1,  # whole optimizer steps
+            accumulate=trainer.accumulate_grad_batches if trainer and training else 1,  # whole optimizer steps
+            reuse=training,
+            device=trainer.strategy.root_device if trainer and training else None,
+            transfer=self.transfer_clock if training else None,
         )
 
     def _place_on_device(self) -> None:
@@ -143,20 +142,20 @@ class RegressionData(L.LightningDataModule):
     def transfer_batch_to_device(self, batch, device: torch.device, dataloader_idx: int):
         # Here rather than in the module: the data decides where it lives (`on_device`), and Lightning warns
         # when a module overrides this hook while a DataModule is in use.
-        if batch[0].device == device:  # device-resident data, or the CPU: nothing to copy
-            return batch
+        if isinstance(batch, BatchLoader) or batch[0].device == device:  # a training window copies its own
+            return batch  # batches; device-resident data, or the CPU: nothing to copy
         # Lightning copies with non_blocking=True to CUDA (fabric's `move_data_to_device`): from pinned batches
         # the copy is queued and the host goes on; from pageable ones CUDA stages it and the host waits.
         with self.transfer_clock.timing(device):
             return super().transfer_batch_to_device(batch, device, dataloader_idx)
 
-    def train_dataloader(self) -> BatchLoader:
+    def train_dataloader(self) -> StepWindows:
         self._place_on_device()
         # trainer.overfit_batches: the same first batches every epoch. Lightning turns shuffling off only in a
         # DataLoader (it warns that it does so for this loader too: here it is done).
         overfit = bool(self.trainer and self.trainer.overfit_batches)
-        return self._loader(self.x_train, self.y_train, shuffle=not overfit)
+        return StepWindows(self._loader(self.x_train, self.y_train, shuffle=not overfit, training=True))
 
     def val_dataloader(self) -> BatchLoader:
         self._place_on_device()
-        return self._loader(self.x_val, self.y_val, shuffle=False)
+        return self._loader(self.x_val, self.y_val, shuffle=False, training=False)

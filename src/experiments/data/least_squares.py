@@ -1,8 +1,4 @@
-"""The exact least-squares reference optimum, solved blockwise, and in a background thread during training."""
-
-import os
-import threading
-from concurrent.futures import Future
+"""The exact least-squares reference optimum, solved blockwise."""
 
 import torch
 
@@ -26,31 +22,3 @@ def least_squares(x: torch.Tensor, y: torch.Tensor, block_rows: int | None = Non
     cutoff = torch.finfo(torch.float64).eps * max(n, d + 1)
     solution = torch.linalg.lstsq(r[:, : d + 1], r[:, d + 1 :], rcond=cutoff, driver="gelsd").solution
     return solution[:-1], solution[-1]
-
-
-
-def solve_in_background(x: torch.Tensor, y: torch.Tensor) -> Future:
-    """`least_squares(x, y)` in a daemon thread; the Future hands over the result or the error.
-
-    Why a thread rather than accumulating the TSQR factor over the training batches: the QR update of a batch
-    costs (B + d) d^2 flops, far more than the step of a linear model (2 B d). The solve is the same blockwise
-    one as after training (a float64 working set of a few 16 MB blocks, against the 2 x dataset peak of the
-    data's set-up, which is over by now), and LAPACK releases the GIL. The thread runs at the lowest priority
-    (nice 19, inherited by its intra-op threads on Linux) so that on a machine with few cores the training
-    steps get them first; the cost in step time is measured in docs/benchmarks.md. The tensors are held until
-    it ends, even if the data then moves to a GPU (host memory, a few seconds).
-    """
-    future = Future()
-
-    def solve() -> None:
-        try:
-            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)  # this thread only (Linux)
-        except (AttributeError, OSError):
-            pass
-        try:
-            future.set_result(least_squares(x, y))
-        except BaseException as err:  # handed to whoever reads the result
-            future.set_exception(err)
-
-    threading.Thread(target=solve, name="least-squares", daemon=True).start()
-    return future
