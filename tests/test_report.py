@@ -169,6 +169,8 @@ def test_plots_show_the_runs_numbers(sweep, tmp_path, monkeypatch):
 
     def save(fig, path):
         plotted[path.name] = [line.get_xydata().tolist() for ax in fig.axes for line in ax.lines]
+        panels = [[p for line in ax.lines for p in line.get_xydata().tolist()] for ax in fig.axes]
+        plotted[f"{path.stem}_panels"] = panels
         return real_save(fig, path)
 
     monkeypatch.setattr(reports, "save", save)
@@ -183,3 +185,7 @@ def test_plots_show_the_runs_numbers(sweep, tmp_path, monkeypatch):
     metrics = [json.loads((sweep / str(num) / "metrics.json").read_text()) for num in jobs]
     points = sorted(p for line in plotted["throughput_vs_batch.png"] for p in line)
     assert points == sorted([m["global_batch_size"], m["samples_per_sec"]] for m in metrics)
+    # The time-to-target plot: a panel of times and one of optimizer steps, each point a job's metrics.json.
+    time_panel, steps_panel = plotted["time_to_target_vs_batch_panels"]
+    assert sorted(time_panel) == sorted([m["effective_batch_size"], m["time_to_target_s"]] for m in metrics)
+    assert sorted(steps_panel) == sorted([m["effective_batch_size"], m["steps_to_target"]] for m in metrics)

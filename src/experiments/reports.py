@@ -186,9 +186,11 @@ def xy_section(
     ylabel: str,
     filename: str,
     shown: tuple[str, ...] = (),
+    also: tuple[tuple[str, str, str], ...] = (),
 ) -> Section:
     """One metric against another, a line per series; skipped when no series has two x values. The table adds
-    the metrics `shown`, which tell apart the rows of a series at one x."""
+    the metrics `shown`, which tell apart the rows of a series at one x; `also` holds (metric, ylabel, title) of
+    more metrics against the same x, each in a panel of its own beside the first."""
     section = Section(title)
     measured = [j for j in completed(jobs) if j.metrics.get(y) is not None]  # time_to_target_s: null if missed
     groups = {k: sorted(v, key=lambda j: j.metrics[x]) for k, v in by_series(measured, x_keys).items()}
@@ -196,17 +198,22 @@ def xy_section(
     if not groups:
         section.note = f"No plot: no series of completed jobs has two values of `{x}` in this sweep."
         return section
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    panels = [(y, ylabel, title), *also]
+    fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
+    for ax, (metric, label, panel_title) in zip(axes[0], panels, strict=True):
+        for series, group in groups.items():
+            ax.plot([j.metrics[x] for j in group], [j.metrics[metric] for j in group], marker="o", label=series)
+        ax.set(title=panel_title, xlabel=xlabel, ylabel=label)
+        log2_axis(ax)
+        ax.legend(fontsize="x-small")
+    extra = [metric for metric, _, _ in also]
     for label, group in groups.items():
-        ax.plot([j.metrics[x] for j in group], [j.metrics[y] for j in group], marker="o", label=label)
         section.rows += [
-            {"series": label, x: j.metrics[x], **{k: j.metrics[k] for k in shown}, y: j.metrics[y], **compute_share(j)}
+            {"series": label, x: j.metrics[x], **{k: j.metrics[k] for k in shown}, y: j.metrics[y],
+             **{k: j.metrics[k] for k in extra}, **compute_share(j)}
             for j in group
-        ]
-    ax.set(title=title, xlabel=xlabel, ylabel=ylabel)
-    log2_axis(ax)
-    ax.legend(fontsize="x-small")
-    section.columns = ["series", x, *shown, y, "compute_pct"]
+        ]  # fmt: skip
+    section.columns = ["series", x, *shown, y, *extra, "compute_pct"]
     section.plot = save(fig, out / filename)
     return section
 
@@ -218,11 +225,14 @@ def compute_share(job: Job) -> dict:
 
 
 def time_to_target_section(jobs: list[Job], out: Path) -> Section:
+    """The time and the optimizer steps to the target against the effective batch: a larger batch needs fewer
+    steps, each longer; the time is what the user waits for."""
     return xy_section(
         jobs, out, "Time to target vs batch size", "effective_batch_size", "time_to_target_s",
         BATCH_KEYS + ACCUMULATION_KEYS, "effective batch size (samples per optimizer step)",
         "training time to val_mse <= target (s)", "time_to_target_vs_batch.png",
         shown=("global_batch_size", "accumulate_grad_batches"),  # an effective batch is B x 1 and B/4 x 4
+        also=(("steps_to_target", "optimizer steps to val_mse <= target", "Steps to target vs batch size"),),
     )  # fmt: skip
 
 
