@@ -170,6 +170,7 @@ def test_benchmark_quick_prints_its_table():
     assert all(float(row[ratio]) > 0 for row in rows)
     assert any(line.startswith("start-up:") for line in lines)
     assert any(line.startswith("memory:") for line in lines)
+    assert any(line.startswith("help:") for line in lines)
 
 
 def test_batches_copied_to_another_device_are_timed_by_the_data():
