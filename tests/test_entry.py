@@ -139,3 +139,36 @@ def test_an_interrupted_sweep_job_is_a_row_and_the_sweep_stops(tmp_path):
     rows = list(csv.DictReader((tmp_path / "results.csv").open()))
     assert [(row["job"], row["status"]) for row in rows] == [("0", "interrupted")]
     assert not (tmp_path / "1").exists()  # the sweep stopped
+
+
+# ------------------------------------------------------------------------------------------------- --help
+
+HELP_PROBE = """
+import runpy, sys
+sys.argv = [sys.argv[1], "--help", *sys.argv[2:]]
+try:
+    runpy.run_path(sys.argv[0], run_name="__main__")
+finally:
+    print("heavy:", sorted(m for m in ("torch", "lightning", "numpy") if m in sys.modules), file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "predict.py"])
+def test_help_lists_the_menu_and_the_config_without_loading_torch(script):
+    done = subprocess.run(
+        [sys.executable, "-c", HELP_PROBE, script, "data.batch_size=7"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "heavy: []" in done.stderr  # what made --help take seconds: it answers before any of them loads
+    groups = {p.name for p in (ROOT / "conf").iterdir() if p.is_dir()}
+    for group in groups:
+        options = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
+        assert f"\n{group}: {', '.join(options)}\n" in done.stdout
+    assert "  batch_size: 7\n" in done.stdout  # the config the overrides compose
+    assert "Use --hydra-help to view Hydra specific help" in done.stdout
+
+
+def test_help_with_a_bad_override_is_one_error_line():
+    command = [sys.executable, "train.py", "--help", "data.nope=1"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
+    assert done.returncode == 2 and done.stderr.strip().startswith("error: data.nope=1: data has no key nope")
