@@ -129,7 +129,7 @@ class EpochLines(ProgressBar):
 def epoch_line(trainer: L.Trainer, samples_per_sec: float) -> list[str]:
     epochs = f"/{trainer.max_epochs}" if trainer.max_epochs and trainer.max_epochs > 0 else ""  # -1: steps bound it
     parts = [f"epoch {trainer.current_epoch + 1}{epochs}", f"step {trainer.global_step}"]
-    if (loss := trainer.callback_metrics.get("train/loss")) is not None:
+    if (loss := getattr(trainer.lightning_module, "last_loss", None)) is not None:  # the epoch's last step's
         parts.append(f"train/loss {loss.item():.6g}")
     if (mse := trainer.callback_metrics.get("val/mse")) is not None:
         optimum = trainer.datamodule.optimal_val_mse
