@@ -188,15 +188,17 @@ def test_the_stored_config_holds_the_fit_and_the_same_start_finds_it_done(runs, 
 
 def test_interrupted_then_resumed_in_place_keeps_its_fit_and_equals_the_uninterrupted(runs, tmp_path, monkeypatch):
     calls = []
+    draw = BatchLoader.next_batch  # a micro-batch (Lightning's per-batch hooks run once a window of steps)
 
-    def stop_at_the_fourth_batch(self, *args):
-        calls.append(args)
-        if len(calls) == 4:  # in the second optimizer step's window of 3
+    def stop_at_the_fourth_batch(self):
+        calls.append(self)
+        if len(calls) == 4:  # in the second optimizer step's accumulation of 3
             os.kill(os.getpid(), signal.SIGTERM)
+        return draw(self)
 
     overrides = [f"batch.effective={E}", SMALL_BUDGET, *QUIET]
     with monkeypatch.context() as patch:
-        patch.setattr(Regressor, "on_train_batch_start", stop_at_the_fourth_batch)
+        patch.setattr(BatchLoader, "next_batch", stop_at_the_fourth_batch)
         with pytest.raises(Interrupted):
             train(compose_config(*overrides), tmp_path)
     interrupted = json.loads(RunPaths(tmp_path).metrics.read_text())
