@@ -26,3 +26,29 @@ def check_loss(loss: torch.Tensor, trainer: L.Trainer, batch_idx: int) -> None:
             f"training diverged: the loss is {value} at step {trainer.global_step} "
             f"(epoch {trainer.current_epoch}, batch {batch_idx}); try a lower optimizer.lr (now {lr:g})"
         )
+
+
+def check_before_saving(trainer: L.Trainer, module: L.LightningModule) -> None:
+    """Raise `RunFailed` rather than save weights that diverged: every checkpoint (the periodic last.ckpt, a
+    signal's, a ModelCheckpoint's top-k) passes here first (experiments.run.last_checkpoint).
+
+    On an accelerator `check_loss` reads the loss only on log steps, so a step between two of them can make the
+    weights non-finite unseen; here the last step's loss and the weights themselves are checked (one device sync
+    a save), and the ranks agree, since a save is a collective every rank enters. The checkpoint already on
+    disk, the last finite one, is kept.
+    """
+    loss = getattr(module, "last_loss", None)
+    finite = [torch.isfinite(t).all() for t in [*module.parameters(), *([] if loss is None else [loss])]]
+    ok = bool(torch.stack([f.to(finite[0].device) for f in finite]).all()) if finite else True
+    if trainer.world_size > 1:
+        ok = trainer.strategy.reduce_boolean_decision(ok, all=True)
+    if ok:
+        return
+    lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")
+    value = None if loss is None else loss.item()
+    what = "the weights are not finite" if value is None or math.isfinite(value) else f"the loss is {value}"
+    raise RunFailed(
+        f"training diverged: {what} at step {trainer.global_step} (epoch {trainer.current_epoch}), found before "
+        f"saving a checkpoint, which was not saved (the last one on disk keeps finite weights); try a lower "
+        f"optimizer.lr (now {lr:g})"
+    )
