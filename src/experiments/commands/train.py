@@ -50,26 +50,42 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     check_config(cfg)  # before anything is written, the lock's file included
     writer = this_rank().zero
     with lock.holding(run_dir, *_lock_names(run_dir)) if writer else nullcontext(), quiet_full_disk_in_threads():
-        if writer:
-            remove_stray_temps(run_dir)
-        recipe = TrainRecipe(cfg, run_dir)
-        if recipe.run.state is state.State.COMPLETED:
-            print(f"nothing to do: {run_dir} holds this config's completed run (its metrics.json)")
-            return recipe.run.metrics
         try:
-            with recipe.interruption.handling():
-                recipe.setup()
-                metrics = recipe.fit()
-            recipe.interruption.raise_if_signalled()
-        except Interrupted as stop:
-            slurm.requeue_after(stop.signum)  # a SLURM pre-emption warning: the job starts again and resumes
+            return _train(cfg, run_dir, writer)
+        except BaseException:
+            # A refused or failed start that recorded no run leaves nothing, not even Hydra's .hydra/ and log
+            # file; a sweep's job keeps its dir, where its failed row's record goes (experiments.sweeps).
+            if writer and not _in_sweep():
+                job = HydraConfig.get().job.name if HydraConfig.initialized() else "train"
+                remove_refused_start(run_dir, f"{job}.log")
             raise
-        return metrics
+
+
+def _train(cfg: DictConfig, run_dir: Path, writer: bool) -> dict:
+    if writer:
+        remove_stray_temps(run_dir)
+    recipe = TrainRecipe(cfg, run_dir)
+    if recipe.run.state is state.State.COMPLETED:
+        print(f"nothing to do: {run_dir} holds this config's completed run (its metrics.json)")
+        return recipe.run.metrics
+    try:
+        with recipe.interruption.handling():
+            recipe.setup()
+            metrics = recipe.fit()
+        recipe.interruption.raise_if_signalled()
+    except Interrupted as stop:
+        slurm.requeue_after(stop.signum)  # a SLURM pre-emption warning: the job starts again and resumes
+        raise
+    return metrics
+
+
+def _in_sweep() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
 def _lock_names(run_dir: Path) -> tuple[str, str]:
     """How a busy dir is named in its `error:` line, and the setting that chooses another."""
-    if HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN:
+    if _in_sweep():
         hydra_cfg = HydraConfig.get()
         return f"job {hydra_cfg.job.num}'s dir {run_dir} (hydra.sweep.dir={hydra_cfg.sweep.dir})", "hydra.sweep.dir"
     return f"hydra.run.dir={run_dir}", "hydra.run.dir"
@@ -275,11 +291,5 @@ def main(cfg: DictConfig) -> float:
     if HydraConfig.get().mode == RunMode.MULTIRUN:
         metrics = run_sweep_job(cfg)
     else:
-        run_dir = Path(HydraConfig.get().runtime.output_dir)
-        try:
-            metrics = train(cfg, run_dir)
-        except BaseException:
-            if this_rank().zero:  # a refused start leaves nothing: not even Hydra's .hydra/ and an empty log
-                remove_refused_start(run_dir, f"{HydraConfig.get().job.name}.log")
-            raise
+        metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir))
     return metrics["val_mse"]  # the objective that a search minimizes (hparams_search=optuna)

@@ -63,10 +63,10 @@ def code() -> tuple[dict, str | None]:
 def versions() -> dict:
     return {
         "python": platform.python_version(),
-        "torch": torch.__version__,
-        "lightning": lightning.__version__,
-        "hydra": hydra.__version__,
-        "torchmetrics": torchmetrics.__version__,
+        "torch": str(torch.__version__),  # a TorchVersion, which torch.load(weights_only=True) refuses
+        "lightning": str(lightning.__version__),
+        "hydra": str(hydra.__version__),
+        "torchmetrics": str(torchmetrics.__version__),
     }
 
 
@@ -99,8 +99,8 @@ def gpus() -> list[dict]:
     found = []
     for index in range(torch.cuda.device_count()):
         properties = torch.cuda.get_device_properties(index)
-        memory = properties.total_memory // 2**20
-        found.append({"name": properties.name, "memory_mib": memory, "driver": driver, "cuda": torch.version.cuda})
+        memory, cuda = properties.total_memory // 2**20, str(torch.version.cuda)
+        found.append({"name": properties.name, "memory_mib": memory, "driver": driver, "cuda": cuda})
     return found
 
 
@@ -131,7 +131,7 @@ def data_fingerprint(data_cfg: DictConfig | None) -> dict | None:
     settings = OmegaConf.to_container(data_cfg, resolve=True)
     if settings.get("path"):
         return {"file": file_fingerprint(settings["path"])}
-    return {"generator": {k: v for k, v in settings.items() if k not in FEEDING}, "torch": torch.__version__}
+    return {"generator": {k: v for k, v in settings.items() if k not in FEEDING}, "torch": str(torch.__version__)}
 
 
 def command() -> dict:
