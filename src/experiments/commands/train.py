@@ -47,10 +47,10 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     The writing rank holds the dir's lock for the whole run (experiments.run.lock; a single run's was taken
     before Hydra wrote anything), and, holding it, removes what writes cut short by a kill left behind."""
     run_dir = Path(run_dir)
-    check_config(cfg)  # before anything is written, the lock's file included
     writer = this_rank().zero
     with lock.holding(run_dir, *_lock_names(run_dir)) if writer else nullcontext(), quiet_full_disk_in_threads():
         try:
+            check_config(cfg)
             return _train(cfg, run_dir, writer)
         except BaseException:
             # A refused or failed start that recorded no run leaves nothing, not even Hydra's .hydra/ and log

@@ -114,8 +114,11 @@ def acquire(directory: Path, what: str | None = None, setting: str = "hydra.run.
         if same:
             break
         os.close(fd)
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, (json.dumps(_holder_record()) + "\n").encode(), 0)
+    try:
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(_holder_record()) + "\n").encode(), 0)
+    except OSError:  # a full disk: the lock holds all the same, its holder is then named "unknown"
+        pass
     _held[directory] = fd
     return True
 
@@ -126,6 +129,8 @@ def release(directory: Path) -> None:
     if fd is not None:
         try:
             os.ftruncate(fd, 0)
+        except OSError:
+            pass
         finally:
             os.close(fd)
 
