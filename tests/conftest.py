@@ -112,16 +112,18 @@ def tensorboard_post(url: str, path: str, body: dict):
 
 @pytest.fixture
 def tmpfs(tmp_path):
-    """`mount(size)`: a real tmpfs of `size` bytes mounted at a fresh dir under tmp_path (unmounted afterwards),
+    """`mount(size)`: a real tmpfs of `size` bytes (and `inodes` file entries, when given) mounted at a fresh dir
+    under tmp_path (unmounted afterwards),
     for tests of a full disk. Skipped where this process cannot mount (not root, no mount(8)); CI sets
     GPU_LAB_REQUIRE_TMPFS=1 (.ci/run), so a skip fails there."""
     mounted = []
 
-    def mount(size: int, name: str = "disk") -> Path:
+    def mount(size: int, name: str = "disk", inodes: int | None = None) -> Path:
         point = tmp_path / name
         point.mkdir()
-        done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
-                              capture_output=True, text=True)  # fmt: skip
+        options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
+        command = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)]
+        done = subprocess.run(command, capture_output=True, text=True)
         if done.returncode != 0:
             reason = f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}"
             if os.environ.get("GPU_LAB_REQUIRE_TMPFS"):

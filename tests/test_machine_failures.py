@@ -86,6 +86,7 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_epoch_bit_for_bit(tmp_p
     again = cli(*LONG, f"hydra.run.dir={run_dir}")  # the same command
     assert again.returncode == 0, again.stderr[-3000:]
     assert not stray.exists()  # removed at the start, under the dir's lock
+    assert "note: resuming" not in again.stderr  # the same code: nothing to say
     assert json.loads((run_dir / "metrics.json").read_text())["status"] == "completed"
     resumed, uninterrupted = weights(run_dir), weights(reference)
     assert [k for k in uninterrupted if not torch.equal(resumed[k], uninterrupted[k])] == []
@@ -365,3 +366,21 @@ def test_on_a_gpu_weights_that_diverged_between_log_steps_never_reach_a_checkpoi
     assert "found before saving a checkpoint, which was not saved" in errors(done.stderr)[0]
     last = saved(tmp_path / "run")
     assert all(torch.isfinite(t).all() for t in last["state_dict"].values())
+
+
+def test_a_full_disk_under_results_csv_stops_the_sweep_with_one_line(tmp_path, tmpfs):
+    # A filesystem out of inodes (file entries) refuses a new file as a full one does (ENOSPC). A sweep of one
+    # job on a tmpfs with one inode fewer than the sweep uses runs out at its last new file: results.csv's.
+    args = [sys.executable, "train.py", "-m", *TINY, "logger=none", "seed=0"]
+    reference = tmpfs(2**26, name="reference")
+    done = subprocess.run([*args, f"hydra.sweep.dir={reference / 'sweep'}"], cwd=ROOT, capture_output=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    stats = os.statvfs(reference)
+    used = stats.f_files - stats.f_ffree
+    sweep = tmpfs(2**26, inodes=used - 1) / "sweep"
+    full = subprocess.run([*args, f"hydra.sweep.dir={sweep}"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert full.returncode == 1
+    [error] = errors(full.stderr)
+    assert f"no space left on device writing {sweep / 'results.csv'}: " in error
+    assert "and no file entries (inodes) left" in error and "Traceback" not in full.stderr
+    assert json.loads((sweep / "0" / "metrics.json").read_text())["status"] == "completed"

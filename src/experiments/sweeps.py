@@ -23,7 +23,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import internals
-from experiments.run.exits import EXIT_FAILED, Abort, OutOfSpace
+from experiments.run.exits import EXIT_FAILED, Abort, OutOfSpace, is_out_of_space
 from experiments.run.files import write_atomic
 from experiments.run.layout import RunPaths, SweepPaths
 from experiments.run.lock import RunDirBusy
@@ -206,5 +206,8 @@ class SweepRecord(Callback):
     def _write_results(config: DictConfig) -> Path:
         try:
             return write_results(Path(config.hydra.sweep.dir))
-        except OutOfSpace as err:  # the sweep stops: every later job would find the disk as full
-            raise Abort(err, EXIT_FAILED) from None
+        except (OutOfSpace, OSError) as err:  # the sweep stops: every later job would find the disk as full
+            if not is_out_of_space(err):
+                raise
+            full = err if isinstance(err, OutOfSpace) else OutOfSpace(SweepPaths(config.hydra.sweep.dir).results)
+            raise Abort(full, EXIT_FAILED) from None

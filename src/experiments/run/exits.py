@@ -5,6 +5,7 @@ scheduler's stop), 138 for SIGUSR1 (a scheduler's pre-emption warning).
 """
 
 import errno
+import os
 import shutil
 import threading
 from collections.abc import Iterator
@@ -29,6 +30,8 @@ class OutOfSpace(RunFailed):
         self.path = Path(path)
         left = free_bytes(self.path)
         space = "unknown" if left is None else f"{left:,} bytes ({left / 2**20:.1f} MiB)"
+        if no_inodes_left(self.path):
+            space += " and no file entries (inodes)"
         super().__init__(
             f"no space left on device writing {self.path}: {space} left on its filesystem; free some space there "
             "(or choose another hydra.run.dir) and run the same command again: an unfinished run resumes from "
@@ -66,6 +69,18 @@ def free_bytes(path: Path) -> int | None:
             except OSError:
                 return None
     return None
+
+
+def no_inodes_left(path: Path) -> bool:
+    """Whether the filesystem of `path` has run out of inodes (it counts them, and none is left)."""
+    for directory in [Path(path), *Path(path).parents]:
+        if directory.exists():
+            try:
+                stats = os.statvfs(directory)
+            except OSError:
+                return False
+            return stats.f_files > 0 and stats.f_favail == 0
+    return False
 
 
 def out_of_memory(error: str, batch_size: int, accumulate: int, advice: str) -> RunFailed:
