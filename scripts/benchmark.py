@@ -254,6 +254,20 @@ def startup_and_memory(args) -> list[str]:
     ]
 
 
+def checkpoint_cost(args) -> list[str]:
+    """What writing last.ckpt at every epoch's end costs (the default, `checkpoint.every_n_epochs=1`): the mean
+    time of one save, written whole and flushed to disk, against the training time of the epoch it ends."""
+    data = [f"data.num_features={args.features}", f"data.num_samples={args.samples}"]
+    run, _, _ = cli_run([*data, "trainer.max_epochs=3"])
+    steps = run["global_step"] // max(run["epochs"], 1)
+    epoch_ms = steps * run["step_time_ms"]
+    return [
+        f"last.ckpt at each epoch's end (d={args.features}, B={run['global_batch_size']}, {steps} steps an epoch): "
+        f"{run['checkpoint_save_ms']:.1f} ms a save (mean of {run['checkpoints_saved']}), "
+        f"{100 * run['checkpoint_save_ms'] / epoch_ms:.1f}% of the epoch's {epoch_ms:.0f} ms of training steps"
+    ]
+
+
 def table(rows: list[dict]) -> list[str]:
     columns = [
         ("device", "{}"), ("data", "{}"), ("precision", "{}"), ("B", "{}"), ("steps", "{}"),
@@ -361,6 +375,7 @@ def main() -> None:
     print("\n".join(verdicts(rows)) if args.features == 1000 else "targets: judged at d=1000 only")
     if not args.gpu_sweep:
         print("\n".join(startup_and_memory(args)))
+        print("\n".join(checkpoint_cost(args)))
 
 
 if __name__ == "__main__":
