@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, resize, shrink, used_pages
+from conftest import ROOT, TINY, cli, logged_tags, resize, shrink, used_pages
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 LONG = ["trainer.max_epochs=60", "optimizer.momentum=0.9"]  # momentum: optimizer state that must be restored
@@ -93,6 +93,24 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_epoch_bit_for_bit(tmp_p
     assert [s["resumed_from"] for s in starts(run_dir)][1]["global_step"] == at["global_step"]
     # The steps the killed run logged after its checkpoint are there once: TensorBoard shows the reference's.
     assert loss_steps(run_dir) == loss_steps(reference)
+
+
+def test_a_run_killed_before_its_first_checkpoint_starts_over_with_one_curve(tmp_path):
+    args = ["data.num_samples=20000", "trainer.max_epochs=1"]  # 250 steps before the first save
+    reference = tmp_path / "reference"
+    assert cli(*args, f"hydra.run.dir={reference}").returncode == 0
+    run_dir = tmp_path / "run"
+    killed = start(*args, f"hydra.run.dir={run_dir}", log=tmp_path / "killed.log")
+    wait_for(lambda: "train/loss" in logged_tags(run_dir), killed)
+    killed.kill()
+    killed.wait()
+    assert saved(run_dir) is None
+    again = cli(*args, f"hydra.run.dir={run_dir}")
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) == 2
+    assert loss_steps(run_dir) == loss_steps(reference)  # the killed start's steps dropped: each step once
+    resumed, uninterrupted = weights(run_dir), weights(reference)
+    assert [k for k in uninterrupted if not torch.equal(resumed[k], uninterrupted[k])] == []
 
 
 def test_last_ckpt_is_written_every_epoch_and_every_n_steps_when_asked(tmp_path):

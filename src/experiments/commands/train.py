@@ -172,8 +172,11 @@ class TrainRecipe:
 
     def _trainer(self) -> L.Trainer:
         cfg = self.cfg
-        # Curves restart where the checkpoint does, when the run resumes in its own dir.
+        # Curves restart where the checkpoint does, when the run resumes in its own dir; from step 0 when an earlier
+        # start was killed before its first checkpoint and left its event file.
         resume_step = self.resumed.global_step if self.run.checkpoint else None
+        if resume_step is None and any(self.paths.root.glob("tensorboard/**/events.out.tfevents.*")):
+            resume_step = 0
         logger_options = state.logger_options(cfg.logger, resume_step)
         # TensorBoard's run name (docs/tensorboard.md): logger.version when the user gives one; in a sweep, what
         # the sweep varies (`batch_size=64`); else none, and TensorBoard names the run after its dir.
