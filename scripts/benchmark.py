@@ -257,6 +257,20 @@ COLUMNS = [
 ]  # fmt: skip
 
 
+def checkpoint_cost(args) -> list[str]:
+    """What writing last.ckpt at every epoch's end costs (the default, `checkpoint.every_n_epochs=1`): the mean
+    time of one save, written whole and flushed to disk, against the training time of the epoch it ends."""
+    data = [f"data.num_features={args.features}", f"data.num_samples={args.samples}"]
+    run, _, _ = cli_run([*data, "trainer.max_epochs=3"])
+    steps = run["global_step"] // max(run["epochs"], 1)
+    epoch_ms = steps * run["step_time_ms"]
+    return [
+        f"last.ckpt at each epoch's end (d={args.features}, B={run['global_batch_size']}, {steps} steps an epoch): "
+        f"{run['checkpoint_save_ms']:.1f} ms a save (mean of {run['checkpoints_saved']}), "
+        f"{100 * run['checkpoint_save_ms'] / epoch_ms:.1f}% of the epoch's {epoch_ms:.0f} ms of training steps"
+    ]
+
+
 def table(rows: list[dict]) -> list[str]:
     cells = [[name for name, _ in COLUMNS]] + [[fmt.format(row[name]) for name, fmt in COLUMNS] for row in rows]
     widths = [max(len(r[i]) for r in cells) for i in range(len(COLUMNS))]
@@ -362,6 +376,7 @@ def main() -> None:
     print("\n".join(verdicts(rows)) if args.features == 1000 else "targets: judged at d=1000 only")
     if not args.gpu_sweep:
         print("\n".join(command_lines(args)))
+        print("\n".join(checkpoint_cost(args)))
     print(f"load average {os.getloadavg()[0]:.1f} at the end")
 
 

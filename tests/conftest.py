@@ -1,4 +1,5 @@
 import json
+import os
 import re
 import subprocess
 import sys
@@ -107,3 +108,42 @@ def tensorboard_post(url: str, path: str, body: dict):
     request = urllib.request.Request(url + path, json.dumps(body).encode(), {"Content-Type": "application/json"})
     with urllib.request.urlopen(request, timeout=30) as response:
         return json.loads(response.read())
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    """`mount(size)`: a real tmpfs of `size` bytes (and `inodes` file entries, when given) mounted at a fresh dir
+    under tmp_path (unmounted afterwards),
+    for tests of a full disk. Skipped where this process cannot mount (not root, no mount(8)); CI sets
+    GPU_LAB_REQUIRE_TMPFS=1 (.ci/run), so a skip fails there."""
+    mounted = []
+
+    def mount(size: int, name: str = "disk", inodes: int | None = None) -> Path:
+        point = tmp_path / name
+        point.mkdir()
+        options = f"size={size}" + (f",nr_inodes={inodes}" if inodes else "")
+        command = ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(point)]
+        done = subprocess.run(command, capture_output=True, text=True)
+        if done.returncode != 0:
+            reason = f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}"
+            if os.environ.get("GPU_LAB_REQUIRE_TMPFS"):
+                pytest.fail(f"GPU_LAB_REQUIRE_TMPFS=1 but {reason}")
+            pytest.skip(reason)
+        mounted.append(point)
+        return point
+
+    yield mount
+    for point in mounted:
+        subprocess.run(["umount", "-l", str(point)], capture_output=True)
+
+
+def resize(point: Path, size: int) -> None:
+    """Grow (or shrink) a tmpfs of the `tmpfs` fixture in place: its files stay."""
+    subprocess.run(["mount", "-o", f"remount,size={size}", str(point)], check=True, capture_output=True)
+
+
+def used_pages(root: Path, skip: tuple[str, ...] = ()) -> int:
+    """Bytes a tmpfs charges for the files under `root` (whole 4 KiB pages), leaving out the files and dirs
+    named in `skip`."""
+    files = (p for p in root.rglob("*") if p.is_file() and not set(p.relative_to(root).parts) & set(skip))
+    return sum(-(-p.stat().st_size // 4096) * 4096 for p in files)

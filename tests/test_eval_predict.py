@@ -140,7 +140,7 @@ def test_predict_npy_in_batches(trained, tmp_path):
     np.save(tmp_path / "new.npy", x)
     cfg = compose_entry("predict", f"ckpt_path={trained['ckpt']}", f"data.path={tmp_path / 'new.npy'}")
     cfg.data.batch_size = 16  # 4 batches, the last one partial
-    table, predictions, _ = predict(cfg)
+    table, predictions, *_ = predict(cfg)
     module = load_checkpoint(trained["ckpt"]).module
     expected = module.predict_raw(torch.tensor(x, dtype=torch.float32)).numpy()
     np.testing.assert_allclose(predictions, expected, rtol=1e-6)
@@ -272,7 +272,7 @@ def test_eval_and_predict_on_a_gpu(trained, tmp_path):
     cfg = compose_entry(
         "predict", f"ckpt_path={trained['ckpt']}", f"data.path={tmp_path / 'new.npy'}", "trainer.accelerator=gpu"
     )
-    _, predictions, device = predict(cfg)
+    _, predictions, device, _ = predict(cfg)
     expected = load_checkpoint(trained["ckpt"]).module.predict_raw(torch.tensor(trained["x"][:10], dtype=torch.float32))
     assert device.startswith("cuda")
     np.testing.assert_allclose(predictions, expected.numpy(), rtol=1e-5, atol=1e-5)

@@ -171,6 +171,8 @@ def test_benchmark_quick_prints_its_table():
     assert any(line.startswith("start-up:") for line in lines)
     assert any(line.startswith("memory:") for line in lines)
     assert any(line.startswith("help:") for line in lines)
+    [cost] = [line for line in lines if line.startswith("last.ckpt at each epoch's end")]
+    assert " ms a save (mean of 3), " in cost and "% of the epoch's" in cost
 
 
 def test_batches_copied_to_another_device_are_timed_by_the_data():

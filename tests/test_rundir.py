@@ -19,7 +19,6 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from experiments.commands.train import train
 from experiments.config.errors import ConfigError
 from experiments.module import Regressor
-from experiments.run.layout import RunPaths
 from experiments.run.signals import Interrupted
 from experiments.run.state import State, identity, inspect
 
@@ -104,12 +103,18 @@ def test_a_completed_run_started_again_does_nothing_and_says_so(tmp_path):
     assert snapshot(run_dir) == before
 
 
-def test_bad_input_in_a_run_dir_leaves_no_run_behind(tmp_path):
+def test_bad_input_in_a_run_dir_leaves_nothing_behind(tmp_path):
+    # Refused by a check, and by a check once the data is read: not even Hydra's .hydra/ and log file are left.
     run_dir = tmp_path / "run"
     assert cli("optimizer.lr=-1", f"hydra.run.dir={run_dir}").returncode == 2
-    paths = RunPaths(run_dir)
-    assert not any(p.exists() for p in (paths.metrics, paths.checkpoints, paths.run_config))
-    assert inspect(run_dir, compose_config()).state is State.FRESH
+    assert not run_dir.exists()
+    assert cli("data=file", f"data.path={tmp_path / 'missing.csv'}", f"hydra.run.dir={run_dir}").returncode == 2
+    assert not run_dir.exists()
+    # A dir that holds anything else is not the start's own: it is left as Hydra left it.
+    (tmp_path / "kept").mkdir()
+    (tmp_path / "kept" / "notes.txt").write_text("mine\n")
+    assert cli("optimizer.lr=-1", f"hydra.run.dir={tmp_path / 'kept'}").returncode == 2
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [".hydra", ".lock", "notes.txt", "train.log"]
 
 
 def test_a_dir_without_a_recorded_config_is_refused(tmp_path):

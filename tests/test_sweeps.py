@@ -41,8 +41,8 @@ def test_joblib_sweep_runs_four_jobs_two_at_a_time(joblib_sweep):
 
 def test_parallel_jobs_keep_to_their_own_directories(joblib_sweep):
     _, sweep_dir = joblib_sweep
-    assert sorted(p.name for p in sweep_dir.iterdir()) == [".results.lock", "0", "1", "2", "3", "multirun.yaml",
-                                                           "results.csv"]  # fmt: skip
+    assert sorted(p.name for p in sweep_dir.iterdir()) == [".lock", ".results.lock", "0", "1", "2", "3",
+                                                           "multirun.yaml", "results.csv"]  # fmt: skip
     for num, lr in enumerate(LEARNING_RATES):
         job_dir = sweep_dir / str(num)
         assert json.loads((job_dir / "metrics.json").read_text())["status"] == "completed"

@@ -68,7 +68,7 @@ def fit_batch(cfg: DictConfig, trainer: L.Trainer, data: RegressionData, resumed
         return None
     effective, ranks = spec.effective, trainer.world_size
     check_effective(effective, ranks, len(data.x_train))
-    stored = getattr(resumed, "batch_fit", None) or {}  # the checkpoint's (run.checkpoints.RunRecord)
+    stored = getattr(resumed, "batch_fit", None) or {}  # the checkpoint's (run.last_checkpoint.LastCheckpoint)
     same = [stored.get(k) for k in ("effective", "ranks", "memory_mb")] == [effective, ranks, spec.memory_mb]
     if same and all(f.name in stored for f in fields(Fit)):
         return Fit(**{f.name: stored[f.name] for f in fields(Fit)})

@@ -73,11 +73,13 @@ def optimize_manually(module: L.LightningModule) -> None:
 
 def window_position(trainer: L.Trainer, warming_up: bool = False) -> Position:
     """Where training stands at the start of a window, and what ends one, from Lightning's loop counters (its
-    `batch_idx`, ModelCheckpoint's `_every_n_train_steps`, the time-based `_val_check_time_interval`)."""
+    `batch_idx`, ModelCheckpoint's `_every_n_train_steps` and LastCheckpoint's period, the time-based
+    `_val_check_time_interval`)."""
     loop = trainer.fit_loop.epoch_loop
-    every_steps = tuple(
-        c._every_n_train_steps for c in trainer.checkpoint_callbacks if getattr(c, "_every_n_train_steps", 0) > 0
-    )
+    # ModelCheckpoint keeps its period private; the run's LastCheckpoint (experiments.run.last_checkpoint) does not.
+    periods = [getattr(c, "_every_n_train_steps", None) or getattr(c, "every_n_train_steps", None)
+               for c in trainer.checkpoint_callbacks]  # fmt: skip
+    every_steps = tuple(p for p in periods if p)
     val_every = trainer.val_check_batch
     if not isinstance(val_every, int) or val_every >= trainer.num_training_batches or not trainer.enable_validation:
         val_every = None  # validation at the epoch's end only, or never

@@ -1,7 +1,6 @@
 """The LightningModule: it composes a plain model and owns the loss, the optimizer and the metrics."""
 
 import inspect
-import math
 from collections.abc import Callable
 from time import perf_counter
 
@@ -12,7 +11,7 @@ from torchmetrics import MeanAbsoluteError, MeanSquaredError, MetricCollection, 
 
 from experiments import internals
 from experiments.data.loader import BatchLoader
-from experiments.divergence import diverged
+from experiments.divergence import check_loss
 from experiments.log_steps import is_log_step
 from experiments.perf import ComputeClock
 from experiments.run.interruption import Interruption
@@ -115,8 +114,8 @@ class Regressor(L.LightningModule):
                     clock.start(micro_step=True)
                 mse = F.mse_loss(forward(x), y)
                 # Before the backward pass, so a diverged step never reaches the weights or a checkpoint.
-                if (check_every or done == batches) and not math.isfinite(mse.item()):
-                    raise diverged(mse, trainer, at.step + steps, at.batch + done - 1)
+                if check_every or done == batches:
+                    check_loss(mse, trainer, at.step + steps, at.batch + done - 1)
                 loss = mse / accumulate if accumulate > 1 else mse
                 if ends_step and sync:
                     sync(loss)

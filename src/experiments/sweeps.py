@@ -23,8 +23,10 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import internals
+from experiments.run.exits import EXIT_FAILED, Abort, OutOfSpace, is_out_of_space
 from experiments.run.files import write_atomic
 from experiments.run.layout import RunPaths, SweepPaths
+from experiments.run.lock import RunDirBusy
 
 log = logging.getLogger(__name__)
 
@@ -173,6 +175,11 @@ class SweepRecord(Callback):
         record = {"num": config.hydra.job.num, "overrides": list(job_return.overrides or [])}
         if job_return.status == JobStatus.FAILED:
             err = internals.job_error(job_return)
+            if isinstance(err, RunDirBusy) or isinstance(err.__cause__, RunDirBusy):
+                # The dir is another run's (experiments.run.lock): its record is that run's to write.
+                log.error("job %s refused: %s", config.hydra.job.num, one_line(err))
+                self._write_results(config)
+                return
             record |= {
                 "status": "failed",
                 "error": one_line(err),
@@ -183,11 +190,24 @@ class SweepRecord(Callback):
         else:
             record["status"] = "completed"
         text = json.dumps(record, indent=2) + "\n"
-        if not job_record.exists() or job_record.read_text() != text:
-            # Unchanged when a re-run sweep finds the job completed (experiments.run.state): its files stay as they are.
-            write_atomic(job_record, text)
-        write_results(Path(config.hydra.sweep.dir))
+        try:
+            if not job_record.exists() or job_record.read_text() != text:
+                # Unchanged when a re-run sweep finds the job completed (experiments.run.state): its files stay.
+                write_atomic(job_record, text)
+        except OutOfSpace as err:
+            raise Abort(err, EXIT_FAILED) from None  # Hydra would only warn about an error of its callback
+        self._write_results(config)
 
     def on_multirun_end(self, config: DictConfig, **kwargs) -> None:
-        path = write_results(Path(config.hydra.sweep.dir))
+        path = self._write_results(config)
         log.info("sweep record: %s", path)
+
+    @staticmethod
+    def _write_results(config: DictConfig) -> Path:
+        try:
+            return write_results(Path(config.hydra.sweep.dir))
+        except (OutOfSpace, OSError) as err:  # the sweep stops: every later job would find the disk as full
+            if not is_out_of_space(err):
+                raise
+            full = err if isinstance(err, OutOfSpace) else OutOfSpace(SweepPaths(config.hydra.sweep.dir).results)
+            raise Abort(full, EXIT_FAILED) from None

@@ -32,7 +32,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments.config.errors import ConfigError
-from experiments.run.exits import EXIT_BAD_INPUT, EXIT_FAILED, RunFailed
+from experiments.run.exits import EXIT_BAD_INPUT, EXIT_FAILED, Abort, OutOfSpace, RunFailed, is_out_of_space
 from experiments.run.signals import Interrupted, stopping_at_once
 
 # conf/ sits at the repository root, beside train.py (the project is installed editable).
@@ -104,8 +104,14 @@ def run_command(hydra_main: Callable[[], Any], app_help: Callable[[], None] | No
     except Interrupted as stop:
         print(stop, file=sys.stderr)
         sys.exit(stop.exit_code)
+    except Abort as abort:  # raised in a Hydra callback: a busy run dir, a full disk under results.csv
+        print(f"error: {abort.error}", file=sys.stderr)
+        sys.exit(abort.exit_code)
     except Exception as err:
         error = user_error(err)
+        if is_out_of_space(err) and not _multirun():  # Hydra's own files (.hydra/, the log), before the task
+            print(f"error: {_out_of_space(err)}", file=sys.stderr)
+            sys.exit(EXIT_FAILED)
         if isinstance(err, COMPOSITION_ERRORS) and error is not None:
             print(f"error: {error}", file=sys.stderr)
             sys.exit(EXIT_BAD_INPUT)
@@ -133,6 +139,8 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         sys.exit(stop.exit_code)
     except Exception as err:
         error = user_error(err, cfg) or (err if isinstance(err, RunFailed) else None)
+        if error is None and is_out_of_space(err):
+            error = _out_of_space(err)
         if error is None:
             raise
         if multirun:
@@ -220,6 +228,18 @@ def _named_setting(cfg: DictConfig | None, node: str, reason: str) -> tuple[str,
         if key.startswith(f"{node}.") and key.rsplit(".", 1)[-1] in reason:
             return key, value
     return None
+
+
+def _out_of_space(err: BaseException) -> OutOfSpace:
+    """`err` (a full disk's) as the one-line error that names the file, or the run dir when the error does not."""
+    while err is not None and not isinstance(err, OutOfSpace | OSError):
+        err = err.__cause__ or err.__context__
+    if isinstance(err, OutOfSpace):
+        return err
+    path = getattr(err, "filename", None)
+    if path is None and HydraConfig.initialized():
+        path = HydraConfig.get().runtime.output_dir
+    return OutOfSpace(Path(path or "."))
 
 
 def _overrides() -> list[str]:

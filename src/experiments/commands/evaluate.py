@@ -16,6 +16,7 @@ from experiments.commands.outputs import rows, run_into_own_dir, scoring_trainer
 from experiments.config.checks import check_config
 from experiments.config.errors import ConfigError
 from experiments.data.least_squares import least_squares
+from experiments.run import provenance
 from experiments.run.checkpoints import Checkpoint, check_fits, load_checkpoint
 from experiments.run.files import write_atomic
 
@@ -77,12 +78,14 @@ def evaluate(cfg: DictConfig, overrides: list[str]) -> dict:
     [logged] = trainer.validate(checkpoint.module, dataloaders=rows(x, y, run.data.batch_size), verbose=False)
     return {
         "checkpoint": str(checkpoint.path.resolve()),
+        "checkpoint_provenance": checkpoint.provenance,  # what trained it (experiments.run.provenance)
         "scored": "every row" if every_row else "validation split",
         "data": {
             **OmegaConf.to_container(run.data, resolve=True),
             "rows": len(x),
             "feature_names": getattr(data, "feature_names", None),
             "target_name": getattr(data, "target_name", None),
+            "fingerprint": provenance.data_fingerprint(run.data),
         },
         "mse": logged["val/mse"],
         "mae": logged["val/mae"],

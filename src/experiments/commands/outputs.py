@@ -58,11 +58,37 @@ def remove_empty_run_dir(run_dir: Path) -> None:
             break
 
 
+def remove_refused_start(run_dir: Path, log_name: str) -> None:
+    """A train.py start that failed before it recorded a run leaves nothing: Hydra wrote its `.hydra/` and its
+    log file before the task ran (the log holds at most Lightning's start-up lines; the error went to stderr),
+    and the lock made its file (experiments.run.lock). They are removed, and the dir with them when nothing
+    else is in it; a dir that holds anything else keeps it all."""
+    paths = RunPaths(run_dir)
+    ours = {paths.lock, paths.root / log_name, *(paths.hydra / f"{n}.yaml" for n in ("config", "hydra", "overrides"))}
+    found = {p for p in paths.root.rglob("*") if p.is_file()} if paths.root.is_dir() else set()
+    if not found <= ours:
+        return
+    for path in found:
+        path.unlink(missing_ok=True)
+    if paths.hydra.is_dir() and not any(paths.hydra.iterdir()):
+        paths.hydra.rmdir()
+    remove_empty_run_dir(run_dir)
+
+
 def run_into_own_dir(work, cfg: DictConfig) -> None:
+    """Run `work(cfg, run_dir)`; when it fails (refused, out of space, interrupted), the files it wrote are
+    removed again, and the run dir too when it is left empty."""
     # experiments.commands.entry turns a refusal into its one `error:` line and exit 2.
     run_dir = Path(HydraConfig.get().runtime.output_dir)
+    before = set(run_dir.rglob("*")) if run_dir.is_dir() else set()
     try:
         work(cfg, run_dir)
     except BaseException:
+        written = set(run_dir.rglob("*")) - before if run_dir.is_dir() else set()
+        for path in sorted(written, key=lambda p: len(p.parts), reverse=True):  # files before their dirs
+            if path.is_dir():
+                path.rmdir() if not any(path.iterdir()) else None
+            else:
+                path.unlink(missing_ok=True)
         remove_empty_run_dir(run_dir)
         raise

@@ -4,6 +4,7 @@ dir on success."""
 
 import csv
 import io
+import json
 from pathlib import Path
 
 import numpy as np
@@ -13,6 +14,7 @@ from omegaconf import DictConfig
 from experiments.commands.outputs import rows, run_into_own_dir, scoring_trainer, write_hydra_record
 from experiments.config.checks import check_config
 from experiments.data.files import Table, read_table
+from experiments.run import provenance
 from experiments.run.checkpoints import Checkpoint, check_fits, load_checkpoint
 from experiments.run.files import write_atomic
 
@@ -33,8 +35,9 @@ def prediction_names(out_features: int) -> list[str]:
     return ["prediction"] if out_features == 1 else [f"prediction_{i}" for i in range(out_features)]
 
 
-def predict(cfg: DictConfig) -> tuple[Table, np.ndarray, str]:
-    """Apply `cfg.ckpt_path` to the raw inputs of `cfg.data.path` (predict.py): (table, predictions, device)."""
+def predict(cfg: DictConfig) -> tuple[Table, np.ndarray, str, Checkpoint]:
+    """Apply `cfg.ckpt_path` to the raw inputs of `cfg.data.path` (predict.py): (table, predictions, device, the
+    checkpoint)."""
     check_config(cfg)
     checkpoint = load_checkpoint(cfg.ckpt_path)
     table = read_table(cfg.data.path)
@@ -46,7 +49,7 @@ def predict(cfg: DictConfig) -> tuple[Table, np.ndarray, str]:
     trainer = scoring_trainer(cfg.trainer)
     # The batches carry no targets: predict_step applies predict_raw to the raw features.
     batches = trainer.predict(checkpoint.module, dataloaders=rows(x, x.new_empty(len(x), 0), cfg.data.batch_size))
-    return table, torch.cat(batches).float().cpu().numpy(), str(trainer.strategy.root_device)
+    return table, torch.cat(batches).float().cpu().numpy(), str(trainer.strategy.root_device), checkpoint
 
 
 def write_predictions(run_dir: Path, table: Table, predictions: np.ndarray) -> Path:
@@ -68,10 +71,24 @@ def write_predictions(run_dir: Path, table: Table, predictions: np.ndarray) -> P
     return path
 
 
+def prediction_record(cfg: DictConfig, checkpoint: Checkpoint, predictions: Path, rows: int, device: str) -> dict:
+    """predict.json, beside the predictions: which checkpoint made them (and what trained it), from which input."""
+    return {
+        "checkpoint": str(checkpoint.path.resolve()),
+        "checkpoint_provenance": checkpoint.provenance,
+        "input": provenance.file_fingerprint(cfg.data.path),
+        "rows": rows,
+        "predictions": predictions.name,
+        "device": device,
+    }
+
+
 def _predict_into(cfg: DictConfig, run_dir: Path) -> None:
-    table, predictions, device = predict(cfg)
+    table, predictions, device, checkpoint = predict(cfg)
     write_hydra_record(run_dir, cfg)
     path = write_predictions(run_dir, table, predictions)
+    record = prediction_record(cfg, checkpoint, path, len(predictions), device)
+    write_atomic(run_dir / "predict.json", json.dumps(record, indent=2, sort_keys=True) + "\n")
     print(f"{len(predictions)} rows x {predictions.shape[1]} outputs predicted on {device}: {path}")
 
 

@@ -4,6 +4,8 @@
 
 import sys
 import time
+import traceback
+from contextlib import nullcontext
 from pathlib import Path
 
 import lightning as L
@@ -15,7 +17,9 @@ from omegaconf import DictConfig
 
 from experiments import batch_fit
 from experiments.callbacks import configured_callbacks, early_stop_record
+from experiments.commands.outputs import remove_refused_start
 from experiments.config.checks import check_config, check_shapes
+from experiments.config.sizes import FLOAT32, check_device_memory, check_model_memory
 from experiments.dashboard import Dashboard, run_name
 from experiments.distributed import slurm
 from experiments.distributed.launcher import ranks_join_this_job
@@ -23,11 +27,12 @@ from experiments.distributed.ranks import end_with_parent, this_rank
 from experiments.log_steps import LogStepProgressBar
 from experiments.module import Regressor
 from experiments.perf import PerfMonitor, run_start_time
-from experiments.run import state
-from experiments.run.checkpoints import RunRecord, check_fits, load_checkpoint, resolve_checkpoint
-from experiments.run.exits import out_of_memory
-from experiments.run.files import AtomicCheckpointIO
+from experiments.run import lock, provenance, state
+from experiments.run.checkpoints import check_fits, load_checkpoint, resolve_checkpoint
+from experiments.run.exits import OutOfSpace, is_out_of_space, out_of_memory, quiet_full_disk_in_threads
+from experiments.run.files import AtomicCheckpointIO, remove_stray_temps
 from experiments.run.interruption import Interruption
+from experiments.run.last_checkpoint import LastCheckpoint
 from experiments.run.layout import RunPaths
 from experiments.run.metrics import final_figures, record, run_record, write_metrics
 from experiments.run.signals import Interrupted
@@ -37,8 +42,29 @@ from experiments.target import TimeToTarget
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
-    """One run in `run_dir`; returns its metrics.json record (a completed run's own, when there is nothing to do)."""
-    recipe = TrainRecipe(cfg, Path(run_dir))
+    """One run in `run_dir`; returns its metrics.json record (a completed run's own, when there is nothing to do).
+
+    The writing rank holds the dir's lock for the whole run (experiments.run.lock; a single run's was taken
+    before Hydra wrote anything), and, holding it, removes what writes cut short by a kill left behind."""
+    run_dir = Path(run_dir)
+    writer = this_rank().zero
+    with lock.holding(run_dir, *_lock_names(run_dir)) if writer else nullcontext(), quiet_full_disk_in_threads():
+        try:
+            check_config(cfg)
+            return _train(cfg, run_dir, writer)
+        except BaseException:
+            # A refused or failed start that recorded no run leaves nothing, not even Hydra's .hydra/ and log
+            # file; a sweep's job keeps its dir, where its failed row's record goes (experiments.sweeps).
+            if writer and not _in_sweep():
+                job = HydraConfig.get().job.name if HydraConfig.initialized() else "train"
+                remove_refused_start(run_dir, f"{job}.log")
+            raise
+
+
+def _train(cfg: DictConfig, run_dir: Path, writer: bool) -> dict:
+    if writer:
+        remove_stray_temps(run_dir)
+    recipe = TrainRecipe(cfg, run_dir)
     if recipe.run.state is state.State.COMPLETED:
         print(f"nothing to do: {run_dir} holds this config's completed run (its metrics.json)")
         return recipe.run.metrics
@@ -53,25 +79,41 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
     return metrics
 
 
+def _in_sweep() -> bool:
+    return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
+
+
+def _lock_names(run_dir: Path) -> tuple[str, str]:
+    """How a busy dir is named in its `error:` line, and the setting that chooses another."""
+    if _in_sweep():
+        hydra_cfg = HydraConfig.get()
+        return f"job {hydra_cfg.job.num}'s dir {run_dir} (hydra.sweep.dir={hydra_cfg.sweep.dir})", "hydra.sweep.dir"
+    return f"hydra.run.dir={run_dir}", "hydra.run.dir"
+
+
 class TrainRecipe:
-    """One training run. Checks (in `__init__`) come before anything is built; `setup` builds the trainer (its
-    constructors check their settings before the data is made), the data and the module; `fit` trains;
-    `finish` records the run (metrics.json, TensorBoard's HPARAMS row, the closing summary)."""
+    """One training run. Checks (in `train` and `__init__`) come before anything is built; `setup` builds the
+    trainer (its constructors check their settings before the data is made), the data and the module, and
+    checks that they fit in memory; `fit` trains; `finish` records the run (metrics.json, TensorBoard's HPARAMS
+    row, the closing summary)."""
 
     def __init__(self, cfg: DictConfig, run_dir: Path):
         self.started = run_start_time()
         quiet_lightning()
-        check_config(cfg)
         self.cfg, self.paths = cfg, RunPaths(run_dir)
         self.rank = this_rank()
         if self.rank.started_by_launcher:
             end_with_parent()
         self.run = state.settle(run_dir, cfg, writer=self.rank.zero)  # refuses a dir holding another config's run
+        # What produced the run (git, versions, machine, data): collected beside the set-up, by the writer.
+        self.origin = provenance.start_collecting(cfg) if self.rank.zero else None
         if self.run.state is not state.State.COMPLETED:
             # An unfinished run resumes itself; otherwise `ckpt_path` (a file, or `last`).
             self.ckpt_path = self.run.checkpoint or resolve_checkpoint(cfg.ckpt_path, run_dir)
         # A signal saves the exact position over last.ckpt, so that `ckpt_path=last` resumes from it.
         self.interruption = Interruption(str(self.paths.last_checkpoint))
+        # And every epoch's end (checkpoint.*), so that a hard kill loses at most that interval.
+        self.last_checkpoint = LastCheckpoint(self.paths.last_checkpoint, cfg, **cfg.get("checkpoint", {}))
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -93,18 +135,48 @@ class TrainRecipe:
         )  # fmt: skip
         if self.resumed:
             check_fits(self.resumed, self.data.num_features, cfg.model.out_features)
+        self._check_memory()
         # The checkpoint carries the run's config and column names, for eval.py and predict.py.
-        self.trainer.callbacks.append(RunRecord(cfg, self.data.feature_names, self.data.target_name, self.batch_fit))
+        self.last_checkpoint.describe_data(cfg, self.data.feature_names, self.data.target_name, self.batch_fit)
         net = instantiate(cfg.model, in_features=self.data.num_features)
         optimizer, scheduler = instantiate(cfg.optimizer), instantiate(cfg.scheduler)
         self.module = Regressor(net, optimizer, self.data.feature_mean, self.data.feature_std, scheduler=scheduler)
+        self.origin_entry = None
         if self.rank.zero:
             state.claim(self.run, cfg)
+            self._record_origin()
+
+    def _check_memory(self) -> None:
+        """The model, and on a GPU a batch and device-resident data, against the memory where they go (the data
+        on the host was checked before it was made or read: experiments.config.sizes)."""
+        cfg, data, device = self.cfg, self.data, self.trainer.strategy.root_device
+        check_model_memory(cfg, data.num_features, device)
+        per_sample = FLOAT32 * (data.num_features + data.y_train.shape[1])
+        batch_bytes = 3 * per_sample * cfg.data.batch_size // max(self.trainer.world_size, 1)  # batch, output, grad
+        data_bytes = per_sample * (len(data.x_train) + len(data.x_val)) if cfg.data.get("on_device") is True else None
+        check_device_memory(cfg, device, data_bytes, batch_bytes)
+
+    def _record_origin(self) -> None:
+        try:
+            entry, diff = self.origin.result()
+        except Exception as err:  # a probe's bug must not fail the run: say so, once
+            print(f"warning: the run's provenance could not be collected: {err!r}", file=sys.stderr)
+            return
+        resumed_from = None
+        if self.resumed:
+            resumed_from = {"checkpoint": str(self.resumed.path.resolve()), "global_step": self.resumed.global_step}
+            if (note := provenance.code_change(self.resumed.provenance, entry)) is not None:
+                print(note, file=sys.stderr)
+        self.origin_entry = provenance.record_start(self.paths, entry, diff, resumed_from)
+        self.last_checkpoint.describe_origin(self.origin_entry)
 
     def _trainer(self) -> L.Trainer:
         cfg = self.cfg
-        # Curves restart where the checkpoint does, when the run resumes in its own dir.
+        # Curves restart where the checkpoint does, when the run resumes in its own dir; from step 0 when an earlier
+        # start was killed before its first checkpoint and left its event file.
         resume_step = self.resumed.global_step if self.run.checkpoint else None
+        if resume_step is None and any(self.paths.root.glob("tensorboard/**/events.out.tfevents.*")):
+            resume_step = 0
         logger_options = state.logger_options(cfg.logger, resume_step)
         # TensorBoard's run name (docs/tensorboard.md): logger.version when the user gives one; in a sweep, what
         # the sweep varies (`batch_size=64`); else none, and TensorBoard names the run after its dir.
@@ -117,6 +189,7 @@ class TrainRecipe:
         self.dashboard = Dashboard(cfg, swept, trial_id="/".join(filter(None, [self.paths.root.name, name])))
         callbacks = [self.target, self.perf, self.interruption]
         callbacks += configured_callbacks(cfg, self.paths.root)
+        callbacks.append(self.last_checkpoint)  # a Checkpoint: Lightning runs it after the others
         if cfg.trainer.enable_progress_bar:
             # A terminal gets the bar; a log file (SLURM, nohup, CI) a line per epoch, never a redraw.
             bar = LogStepProgressBar(refresh_rate=cfg.trainer.log_every_n_steps)
@@ -142,6 +215,10 @@ class TrainRecipe:
             raise
         except torch.OutOfMemoryError as err:
             out_of_memory_error = str(err).splitlines()[0]  # the error's frames hold the step's tensors: let them go
+        except OSError as err:
+            if is_out_of_space(err):  # TensorBoard's event file: the other writes raise OutOfSpace themselves
+                raise OutOfSpace(self._file_of(err)) from None
+            raise
         finally:
             if status is not None:
                 self.metrics = self.finish(status)
@@ -167,15 +244,39 @@ class TrainRecipe:
             data_device=str(data.x_train.device),
             data_pinned=data.pins_batches,
             batch_fit=self.batch_fit.record if self.batch_fit else None,
+            **self.last_checkpoint.summary,
+            **_code_record(self.origin_entry),
             wall_time_s=time.time() - self.started,
         )
         if trainer.is_global_zero:
-            write_metrics(self.paths.metrics, metrics)
-            self.dashboard.finish(trainer, metrics)  # TensorBoard's HPARAMS row: its final figures
-            for logger in trainer.loggers:
-                logger.finalize(metrics["status"])
+            try:
+                write_metrics(self.paths.metrics, metrics)
+                self.dashboard.finish(trainer, metrics)  # TensorBoard's HPARAMS row: its final figures
+                for logger in trainer.loggers:
+                    logger.finalize(metrics["status"])
+            except (OSError, OutOfSpace) as err:
+                # A run that failed for a full disk records `status: failed` where it still can; the run's own
+                # error names the file that did not fit.
+                if not is_out_of_space(err):
+                    raise
+                if status != "failed":
+                    raise err if isinstance(err, OutOfSpace) else OutOfSpace(self._file_of(err)) from None
             print_summary(metrics, self.paths.root)
         return metrics
+
+    def _file_of(self, err: OSError) -> Path:
+        """The file a write that found the disk full was writing: named by the error, or TensorBoard's."""
+        if getattr(err, "filename", None):
+            return Path(err.filename)
+        frames = traceback.extract_tb(err.__traceback__)
+        if any("tensorboard" in frame.filename for frame in frames):
+            return Path(self.trainer.logger.log_dir) if self.trainer.logger else self.paths.root
+        return self.paths.root
+
+
+def _code_record(entry: dict | None) -> dict:
+    code = (entry or {}).get("code") or {}
+    return {"git_commit": code.get("commit"), "git_dirty": code.get("dirty")}
 
 
 def run_sweep_job(cfg: DictConfig) -> dict:

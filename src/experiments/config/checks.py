@@ -13,6 +13,7 @@ from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from experiments import internals
 from experiments.config.errors import ConfigError
+from experiments.config.sizes import check_synthetic_memory
 from experiments.distributed.dp import DataParallelStrategy
 from experiments.distributed.single import SingleDevice
 
@@ -86,6 +87,9 @@ RULES = [
     ("batch.memory_mb", lambda v: v is None or (_real(v) and v > 0), "null (measured), or a number of MiB > 0"),
     ("batch.gpu_margin", lambda v: _real(v) and 0 <= v < 1, "a share from 0 up to, not including, 1"),
     ("batch.cpu_share", lambda v: _real(v) and 0 < v <= 1, "a share above 0, up to 1"),
+    ("checkpoint.every_n_epochs", lambda v: _integer(v) and v >= 0, "an integer >= 0 (0: not at epoch ends)"),
+    ("checkpoint.every_n_train_steps", lambda v: v is None or (_integer(v) and v >= 1), "null, or an integer >= 1"),
+    ("checkpoint.every_n_minutes", lambda v: v is None or (_real(v) and v > 0), "null, or a number of minutes > 0"),
 ]
 
 _ABSENT = object()
@@ -110,6 +114,7 @@ def check_config(cfg: DictConfig) -> None:
     _check_strategy_name(cfg.trainer.get("strategy", "auto"))
     _check_synthetic_shapes(cfg)
     check_strategy(cfg)
+    check_synthetic_memory(cfg)
 
 
 def _check_accelerator(name) -> None:

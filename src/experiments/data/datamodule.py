@@ -11,7 +11,7 @@ from experiments.data.least_squares import least_squares
 from experiments.data.loader import BatchLoader, EpochShuffle, StepWindows
 from experiments.perf import BatchClock, TransferClock
 
-# data.on_device=auto keeps the data on a GPU when it takes at most this share of the GPU's memory; the rest
+# data.on_device=auto keeps the data on a GPU when it takes at most this share of the GPU's free memory; the rest
 # is left for the model, its gradients and optimizer state, and the batches sliced from the data.
 DEVICE_MEMORY_SHARE = 0.5
 
@@ -27,7 +27,9 @@ def keep_on_device(setting: bool | str, device: torch.device, nbytes: int) -> bo
         return setting
     if device.type != "cuda":
         return False
-    return nbytes <= DEVICE_MEMORY_SHARE * torch.cuda.get_device_properties(device).total_memory
+    # Of the memory that is free now, not the GPU's total: another process may be using it.
+    free, total = torch.cuda.mem_get_info(device)
+    return nbytes <= DEVICE_MEMORY_SHARE * min(free, total)
 
 
 class RegressionData(L.LightningDataModule):

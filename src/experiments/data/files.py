@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from experiments.config.errors import ConfigError
+from experiments.config.sizes import check_file_memory
 from experiments.data.datamodule import RegressionData
 
 
@@ -150,6 +151,7 @@ def read_table(path: str | Path) -> Table:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"data.path={path}: no such file")
+    check_file_memory(path)  # before reading: a file larger than memory fails in the allocator, or gets killed
     suffix = path.suffix.lower()
     if suffix == ".csv":
         table = _read_csv(path)

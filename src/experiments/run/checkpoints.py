@@ -6,44 +6,23 @@ with one line naming the setting, before any work. `check_fits` then refuses a m
 fit the data.
 """
 
-import dataclasses
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
-import lightning as L
 import torch
 from hydra.utils import instantiate
-from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config.errors import ConfigError
 from experiments.module import Regressor
 from experiments.run.layout import RunPaths, run_of_checkpoint
 
-# The checkpoint's entry written by `RunRecord` (a top-level key, beside Lightning's own `state_dict`, ...).
+# The checkpoint's entry written by `run.last_checkpoint.LastCheckpoint`: a top-level key, beside Lightning's own.
 RECORD_KEY = "run"
 ALLOWED = "allowed: a checkpoint that train.py wrote (e.g. outputs/runs/<timestamp>/checkpoints/last.ckpt)"
 ZIP_MAGIC = b"PK\x03\x04"  # torch.save writes a zip archive
 PICKLE_MAGIC = b"\x80"  # a pickle of protocol 2 or later
-
-
-class RunRecord(Callback):
-    """Adds to every checkpoint what eval.py and predict.py need and the weights do not say: the run's
-    composed config (unresolved, as in `.hydra/config.yaml`, so eval can rebuild the run's data), and the
-    data's feature and target names (None for data without names), and batch.effective's fit (None when off),
-    which a resumed run keeps. Plain values only, so the checkpoint still loads with `torch.load(weights_only=True)`."""
-
-    def __init__(self, cfg: DictConfig, feature_names: list[str] | None, target_name: str | None, batch_fit=None):
-        self.record = {
-            "config": OmegaConf.to_container(cfg, resolve=False),
-            "feature_names": None if feature_names is None else list(feature_names),
-            "target_name": target_name,
-            "batch_fit": None if batch_fit is None else dataclasses.asdict(batch_fit),
-        }
-
-    def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
-        checkpoint[RECORD_KEY] = self.record
 
 
 @dataclass
@@ -56,6 +35,7 @@ class Checkpoint:
     global_step: int  # the optimizer step it resumes at: where a resumed run's curves restart
     setting: str = "ckpt_path"
     batch_fit: dict | None = None  # batch.effective's fit (experiments.batch_fit.Fit's fields); None when off
+    provenance: dict | None = None  # what produced it (experiments.run.provenance); None in older checkpoints
 
     @property
     def in_features(self) -> int:
@@ -138,6 +118,7 @@ def load_checkpoint(path: str | Path, setting: str = "ckpt_path") -> Checkpoint:
         int(raw.get("global_step", 0)),
         setting,
         record.get("batch_fit"),
+        record.get("provenance"),
     )
 
 

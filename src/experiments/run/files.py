@@ -1,15 +1,29 @@
-"""The one way this project writes a file: whole or not at all (metrics.json, checkpoints, results.csv, ...)."""
+"""The one way this project writes a file: whole or not at all (metrics.json, checkpoints, results.csv, ...).
+
+A write that finds its filesystem full raises `OutOfSpace` naming the file, and leaves the file as it was (the
+last complete checkpoint stays the last checkpoint). A write cut short by a kill (SIGKILL, a power loss) leaves
+its temporary file behind; `remove_stray_temps` removes those at the next start in that dir, once the start
+holds the dir's lock (experiments.run.lock), so that it never takes a running run's file.
+"""
 
 import os
+import re
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 from lightning.fabric.plugins import TorchCheckpointIO
+
+from experiments.run.exits import OutOfSpace, is_out_of_space
 
 UMASK = os.umask(0o022)  # reading the umask means setting it: put it straight back
 os.umask(UMASK)
+
+# `.<name>.<8 characters of mkstemp>.tmp`: the temporary files of `replacing`, and nothing else.
+TEMP_PREFIX, TEMP_SUFFIX = ".", ".tmp"
+STRAY_TEMP = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 
 @contextmanager
@@ -22,18 +36,22 @@ def replacing(path: Path) -> Iterator[Path]:
     two is a copy that a crash can cut in half.
     """
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    tmp = Path(name)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}.", suffix=TEMP_SUFFIX)
+        tmp = Path(name)
         os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes the file private (0600); give it a new file's mode
         os.close(fd)
         yield tmp
         with open(tmp, "rb") as written:
-            os.fsync(written.fileno())
+            os.fsync(written.fileno())  # where a filesystem allocates late, a full one says so here
         os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
+    except BaseException as err:
+        if tmp is not None:
+            tmp.unlink(missing_ok=True)
+        if is_out_of_space(err) and not isinstance(err, OutOfSpace):
+            raise OutOfSpace(path) from err
         raise
     directory = os.open(path.parent, os.O_RDONLY)
     try:
@@ -50,14 +68,53 @@ def write_atomic(path: Path, content: str | bytes) -> None:
             tmp.write_text(content)
 
 
+def remove_stray_temps(directory: Path, recursive: bool = True) -> list[Path]:
+    """Remove the temporary files that writes cut short by a kill left in `directory`; returns them."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return []
+    found = directory.rglob(f"{TEMP_PREFIX}*{TEMP_SUFFIX}") if recursive else directory.glob(f"{TEMP_PREFIX}*")
+    stray = [p for p in found if STRAY_TEMP.match(p.name) and p.is_file()]
+    for path in stray:
+        path.unlink(missing_ok=True)
+    return stray
+
+
+class _RecordingFile:
+    """A file for `torch.save` that keeps the OSError of a failed write: torch's zip writer turns it into a
+    RuntimeError without its errno ("unexpected pos ..."), which would hide a full disk."""
+
+    def __init__(self, file):
+        self.file, self.error = file, None
+
+    def write(self, data) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
 class AtomicCheckpointIO(TorchCheckpointIO):
     """Lightning's checkpoint writer, atomic on every filesystem (`trainer.plugins`).
 
-    Lightning writes through an fsspec transaction whose temporary file sits in the system's temp dir; when
-    that is another filesystem than the run dir, the final move is a copy, and a crash during it leaves half
-    a checkpoint. Here the checkpoint goes through `replacing`, like every file of a run.
+    Lightning serializes the checkpoint into memory, then writes it through an fsspec transaction whose
+    temporary file sits in the system's temp dir and is copied over at the end: twice the checkpoint in memory,
+    a stray file in /tmp after a kill, and, when /tmp is another filesystem, a copy that a crash can cut in half.
+    Here `torch.save` writes straight into the temporary file of `replacing`, like every file of a run.
     """
 
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        with replacing(Path(path)) as tmp:
-            super().save_checkpoint(checkpoint, tmp, storage_options)
+        if storage_options is not None:
+            raise TypeError(f"{type(self).__name__} takes no storage_options")
+        with replacing(Path(path)) as tmp, open(tmp, "wb") as file:
+            recording = _RecordingFile(file)
+            try:
+                torch.save(checkpoint, recording)
+            except RuntimeError as err:
+                if recording.error is not None:
+                    raise recording.error from err
+                raise

@@ -69,7 +69,7 @@ class Interruption(Callback):
                 # Lightning writes this step's logged metrics only after this hook: write them now, or the step
                 # would be missing from the curves of the resumed run (it starts at the next step).
                 internals.write_step_metrics_now(trainer)
-            trainer.save_checkpoint(self.checkpoint)
+            trainer.save_checkpoint(self.checkpoint, weights_only=False)
             raise Interrupted(self.signum or signal.SIGTERM, self.checkpoint)
 
     def raise_if_signalled(self) -> None:

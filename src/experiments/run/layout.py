@@ -39,6 +39,17 @@ class RunPaths:
         return self.root / ".run-hydra"
 
     @property
+    def lock(self) -> Path:  # held by the run that is using the dir (experiments.run.lock)
+        return self.root / ".lock"
+
+    @property
+    def provenance(self) -> Path:  # what produced the run, one entry per start (experiments.run.provenance)
+        return self.root / "provenance.json"
+
+    def code_diff(self, digest: str) -> Path:  # the uncommitted changes a start ran with, named by their hash
+        return self.root / f"code-{digest[:12]}.diff"
+
+    @property
     def job_record(self) -> Path:  # a sweep job's status and error as Hydra saw them (experiments.sweeps)
         return self.root / "job.json"
 
@@ -60,6 +71,10 @@ class SweepPaths:
     @property
     def multirun(self) -> Path:  # the sweep's composed config and command line (Hydra's own file name)
         return Path(self.root) / "multirun.yaml"
+
+    @property
+    def lock(self) -> Path:  # held by the sweep that is using the dir (experiments.run.lock)
+        return Path(self.root) / ".lock"
 
 
 def run_of_checkpoint(checkpoint: Path) -> RunPaths | None:

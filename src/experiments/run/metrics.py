@@ -65,6 +65,12 @@ class Metrics:
     epochs: int = key("", "epochs completed (Lightning's current_epoch)")
     data_device: str = key("", "where the data was held: cpu, cuda:0, ...")
     data_pinned: bool = key("", "whether batches were gathered into pinned memory")
+    # what produced it (every detail: provenance.json beside metrics.json)
+    git_commit: str = key("", "the commit of the code that finished the run (null outside a git checkout)")
+    git_dirty: bool = key("", "whether that code had uncommitted changes (saved beside it as code-<hash>.diff)")
+    # checkpoints/last.ckpt (checkpoint.*: every epoch's end by default)
+    checkpoints_saved: int = key("", "last.ckpt saves at epoch ends and intervals in this start (not the final one)")
+    checkpoint_save_ms: float = key("ms", "mean wall time of one of those saves, written whole (fsync included)")
     # time to quality
     target_mse: float = key("", "target.mse_ratio x optimal_val_mse")
     time_to_target_s: float = key("s", "training time to the first validation at or under target_mse")

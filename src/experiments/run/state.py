@@ -7,7 +7,7 @@ trains with is the run's own record, `run.yaml`, written when training starts (a
 that was refused or failed before training leaves no run behind.
 
 Same config: the composed config (Hydra's own `hydra.*` is never part of it) without the settings in `IGNORED`,
-which say how a run is started or shown, never what it computes or writes.
+which say how a run is started, shown or how often it saves its position, never what it computes.
 """
 
 import json
@@ -21,7 +21,7 @@ from experiments.config.errors import ConfigError
 from experiments.run.files import write_atomic
 from experiments.run.layout import RunPaths
 
-IGNORED = ("ckpt_path", "trainer.enable_progress_bar", "trainer.enable_model_summary")
+IGNORED = ("ckpt_path", "trainer.enable_progress_bar", "trainer.enable_model_summary", "checkpoint")
 # With batch.effective set, the batch and accumulation that it chose (and run.yaml records) are not the user's.
 FITTED = ("data.batch_size", "trainer.accumulate_grad_batches")
 
