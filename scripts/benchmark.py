@@ -8,15 +8,18 @@
 
 raw: the seed's loop in plain PyTorch as an expert writes it, on the same data, batch, device and precision:
 each epoch a `randperm`, batches gathered with `index_select` into two reused tensors, then zero_grad, forward,
-`mse_loss`, backward, `SGD.step`. project: `experiments.commands.train.train` on the real config, shrunk only by
-overrides: TensorBoard logging, the progress bar (drawn into /dev/null), a validation each epoch, last.ckpt.
+`mse_loss`, backward, `SGD.step`; after each epoch the validation split's MSE, as the project validates (a pass
+over 50 MB of validation data at d=1000 slows the next steps of either loop by about 5%: the caches it evicts).
+project: `experiments.commands.train.train` on the real config, shrunk only by overrides: TensorBoard logging,
+the progress bar (drawn into /dev/null), a validation each epoch, last.ckpt.
 
 A path's step time is its steady state: the raw loop's (T(N) - T(N1)) / (N - N1) with N1 = N / 5 steps, the
-project's own `step_time_ms` (PerfMonitor: after 5 warm-up steps, validation left out), checked against the
-benchmark's own clock on the same run (`check_ms`: a callback's marks from step N / 5 on, validation taken
-out). The two paths run the same number of steps, one after the other, in `--reps` interleaved repetitions
-(raw first, then the project first, ...): each side's figure is its minimum, the least disturbed by the other
-work of a shared machine. Start-up, memory and `--help` are measured on the command line, in subprocesses.
+project's own `step_time_ms` (PerfMonitor: after 5 warm-up steps, validation and last.ckpt's saves left out,
+their cost printed on its own line), checked against the benchmark's own clock on the same run (`check_ms`: a
+callback's marks from step N / 5 on, validation and saves taken out). The two paths run the same number of
+steps, one after the other, in `--reps` interleaved repetitions (raw first, then the project first, ...): each
+side's figure is its minimum, the least disturbed by the other work of a shared machine. Start-up, memory and
+`--help` are measured on the command line, in subprocesses.
 """
 
 import argparse
@@ -39,6 +42,7 @@ from experiments.commands.entry import CONFIG_DIR
 from experiments.commands.train import train
 from experiments.data import SyntheticRegression
 from experiments.perf import peak_resident_mb, synchronized_clock
+from experiments.run.last_checkpoint import LastCheckpoint
 from experiments.run.layout import RunPaths
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,8 +51,11 @@ FRAMEWORK_SHARE = {16384: 0.10}  # B: framework_ms at most this share of the pro
 AUTOCAST = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}
 
 
-def raw_loop(x, y, batch_size: int, steps: int, device: torch.device, precision: str, placement: str) -> float:
+def raw_loop(x, y, batch_size: int, steps: int, device: torch.device, precision: str, placement: str, val=None):
     """Milliseconds a step of the seed's loop, steady state: from step steps // 5 to the last.
+
+    `val` (x, y): after every epoch the MSE of the validation split, in batches of `batch_size`, as the project
+    validates; its time is left out, as the project's is.
 
     `x` and `y` are on the device (placement "device"), or on the host: pageable (each batch gathered into a
     reused host tensor, then copied into a reused device tensor) or pinned (two pinned tensors in turn, each
@@ -99,11 +106,20 @@ def raw_loop(x, y, batch_size: int, steps: int, device: torch.device, precision:
                 began = synchronized_clock(device)
             if step == steps:
                 return 1e3 * (synchronized_clock(device) - began) / (steps - start)
+        if val is not None:
+            validating = synchronized_clock(device)
+            with torch.no_grad():
+                mse = sum(torch.nn.functional.mse_loss(model(a), b, reduction="sum")
+                          for a, b in zip(val[0].split(batch_size), val[1].split(batch_size), strict=True))  # fmt: skip
+                mse.item()
+            if step >= start:
+                began += synchronized_clock(device) - validating
 
 
 class StepClock(lightning.Callback):
     """The benchmark's own clock on the project's run: a mark at the end of every window of steps (where
-    Lightning's hooks run, experiments.windows) and the time spent in validation, for `check_ms`."""
+    Lightning's hooks run, experiments.windows) and the time spent in validation and saving last.ckpt (the run's
+    own count of it), for `check_ms`."""
 
     latest = None  # the clock of the latest run: the config builds it, the benchmark reads it
 
@@ -113,7 +129,9 @@ class StepClock(lightning.Callback):
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         processed = trainer.fit_loop.epoch_loop.batch_progress.total.processed  # the window's micro-batches too
-        self.marks.append((synchronized_clock(pl_module.device), processed, self.in_validation))
+        saver = next(c for c in trainer.callbacks if isinstance(c, LastCheckpoint))
+        paused = self.in_validation + saver.seconds_saving  # validation and last.ckpt's saves are not steps
+        self.marks.append((synchronized_clock(pl_module.device), processed, paused))
 
     def on_validation_start(self, trainer, pl_module):
         self.validating = synchronized_clock(pl_module.device)
@@ -122,7 +140,7 @@ class StepClock(lightning.Callback):
         self.in_validation += synchronized_clock(pl_module.device) - self.validating
 
     def step_ms(self, steps: int) -> float:
-        """Milliseconds a step from step steps // 5 to the last mark, validation left out."""
+        """Milliseconds a step from step steps // 5 to the last mark, validation and saves left out."""
         (t0, s0, v0) = next(m for m in self.marks if m[1] >= steps // 5)
         (t1, s1, v1) = self.marks[-1]
         return 1e3 * ((t1 - t0) - (v1 - v0)) / max(s1 - s0, 1)
@@ -153,6 +171,7 @@ def measure(args, data, device: torch.device, placement: str, batch_size: int, p
     """One row: `--reps` interleaved repetitions of the raw loop and the project, each side's minimum."""
     on_device = placement == "device" and device.type != "cpu"
     x, y = (data.x_train.to(device), data.y_train.to(device)) if on_device else (data.x_train, data.y_train)
+    val = (data.x_val.to(device), data.y_val.to(device))  # the project validates on the device too
     steps = choose_steps(x, y, batch_size, device, args, placement)
     overrides = [
         f"data.num_samples={args.samples}",
@@ -169,7 +188,7 @@ def measure(args, data, device: torch.device, placement: str, batch_size: int, p
     for rep in range(args.reps):
         for side in ("raw", "project") if rep % 2 == 0 else ("project", "raw"):
             if side == "raw":
-                raws.append(raw_loop(x, y, batch_size, steps, device, precision, placement))
+                raws.append(raw_loop(x, y, batch_size, steps, device, precision, placement, val))
             else:
                 runs.append(project_run(overrides, steps))
     raw = min(raws)
@@ -352,7 +371,8 @@ def main() -> None:
     print(
         f"each row: {args.reps} interleaved repetitions of each side, its minimum; raw_ms: the seed's loop (an "
         "expert's: index_select into reused tensors); project_ms: experiments.commands.train.train's own "
-        "step_time_ms (steady state, validation left out); ratio = project_ms / raw_ms; check_ms: the same run "
+        "step_time_ms (steady state, validation and last.ckpt saves left out); ratio = project_ms / raw_ms; "
+        "check_ms: the same run "
         "on the benchmark's clock; *_spread: slowest / fastest repetition; the project's step = data_ms + "
         "transfer_ms + compute_ms + framework_ms (the rest: Lightning's loop, callbacks, logging), framework_pct "
         "its share; data: host = pageable host memory, pinned = host, batches in pinned memory, device = on the GPU"

@@ -99,7 +99,7 @@ def measure(args, data, batch_size: int) -> list[dict]:
     raws, runs = [], {name: [] for name in VARIANTS}
     names = list(VARIANTS)
     for rep in range(args.reps):
-        raws.append(benchmark.raw_loop(x, y, batch_size, steps, cpu, "32-true", "device"))
+        raws.append(benchmark.raw_loop(x, y, batch_size, steps, cpu, "32-true", "device", (data.x_val, data.y_val)))
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             extra, undo = VARIANTS[name]
             with undo():

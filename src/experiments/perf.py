@@ -225,9 +225,11 @@ class PerfMonitor(Callback):
     Step time counts micro-steps (one global batch of `data.batch_size` samples each). The clock starts at the
     first optimizer-step boundary after `warmup_steps` micro-steps (the first windows run a step each:
     experiments.windows), so start-up and first-step compilation stay out of the steady state: step time =
-    (T(N) - T(warmup)) / (N - warmup), with time spent in validation left out. Its hooks run once a window, and
-    count the window's micro-batches from Lightning's counters. The device is synchronised only when a figure
-    is read: on log steps (experiments.log_steps), around validation and at the end.
+    (T(N) - T(warmup)) / (N - warmup), with time spent in validation and in saving last.ckpt left out (a save's
+    cost is metrics.json's `checkpoint_save_ms`: a step is what the raw loop does, not the run's I/O). Its hooks
+    run once a window, and count the window's micro-batches from Lightning's counters. The device is
+    synchronised only when a figure is read: on log steps (experiments.log_steps), around validation and at the
+    end.
 
     A step's time is split into `data_ms` (forming the batch: BatchClock), `transfer_ms` (host-to-device
     copies: TransferClock), `compute_ms` (forward, backward and optimizer update: ComputeClock) and
@@ -257,6 +259,11 @@ class PerfMonitor(Callback):
         self.transfer_clock = getattr(trainer.datamodule, "transfer_clock", None)
         self.steps, self.steps_before = 0, internals.micro_batches_done(trainer)[1]  # a resume counts from there
         self.paused = self.paused_transfer = 0.0  # seconds in validation, and in its copies, since the fit began
+        # Imported here: through run.checkpoints it imports the module and its loader, which import this.
+        from experiments.run.last_checkpoint import LastCheckpoint
+
+        self.saver = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
+        self.saved_before = self._seconds_saving()
         self.first_step_at = None
         self.fit_start = self._mark(pl_module)
         self.steady_start = self.interval_start = None
@@ -301,9 +308,17 @@ class PerfMonitor(Callback):
             self.summary["startup_s"] = self.first_step_at - self.started_at
 
     def training_seconds(self) -> float:
-        """Seconds of training since the fit began, validation left out; during a validation, up to its start."""
+        """Seconds of training since the fit began, validation and saves left out; during a validation, up to its
+        start."""
         now = self.validation_start[0] if self.validation_start else time.perf_counter()
-        return now - self.paused - self.fit_start["time"]
+        return now - self._paused() - self.fit_start["time"]
+
+    def _seconds_saving(self) -> float:
+        return self.saver.seconds_saving if self.saver is not None else 0.0
+
+    def _paused(self) -> float:
+        """Seconds of this fit not spent training: in validation and in last.ckpt's saves."""
+        return self.paused + self._seconds_saving() - self.saved_before
 
     def _clock(self, pl_module: L.LightningModule) -> float:
         return synchronized_clock(pl_module.device)
@@ -312,8 +327,8 @@ class PerfMonitor(Callback):
         return self.transfer_clock.total_seconds() if self.transfer_clock else 0.0
 
     def _mark(self, pl_module: L.LightningModule) -> dict[str, float]:
-        """The clocks now, validation left out of the training time and of the transfers."""
-        training_time = self._clock(pl_module) - self.paused
+        """The clocks now, validation and saves left out of the training time, validation of the transfers."""
+        training_time = self._clock(pl_module) - self._paused()
         compute, computed_steps = self.compute_clock.total()
         return {
             "time": training_time,

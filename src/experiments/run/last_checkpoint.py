@@ -55,6 +55,7 @@ class LastCheckpoint(Checkpoint):
         }
         self.saved_step: int | None = None
         self.save_seconds: list[float] = []  # each periodic save's wall time (metrics.json's checkpoint_save_ms)
+        self.seconds_saving = 0.0  # every save's, the final one's too: the training clock leaves it out (perf)
         self._last_save_time = time.monotonic()
 
     def describe_data(self, cfg: DictConfig, feature_names: list[str] | None, target_name: str | None, batch_fit=None):
@@ -108,8 +109,10 @@ class LastCheckpoint(Checkpoint):
         trainer.save_checkpoint(self.path, weights_only=False)  # said, or Lightning logs that it assumed it
         self.saved_step = trainer.global_step
         self._last_save_time = time.monotonic()
+        seconds = time.perf_counter() - started
+        self.seconds_saving += seconds
         if timed:
-            self.save_seconds.append(time.perf_counter() - started)
+            self.save_seconds.append(seconds)
 
     def on_save_checkpoint(self, trainer: L.Trainer, pl_module: L.LightningModule, checkpoint: dict) -> None:
         check_before_saving(trainer, pl_module)  # every save passes here: ours, a signal's, ModelCheckpoint's

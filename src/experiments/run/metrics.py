@@ -38,7 +38,7 @@ class Metrics:
     optimal_val_mse: float = key("", "validation MSE of the exact least-squares fit on the training split")
     optimum_distance: float = key("", "relative distance of the weights to that fit (a Linear model only)")
     train_loss: float = key("", "the last training step's loss")
-    # the speed, in steady state (after 5 warm-up steps, validation left out)
+    # the speed, in steady state (after 5 warm-up steps; validation and last.ckpt's saves left out)
     samples_per_sec: float = key("samples/s", "training throughput")
     step_time_ms: float = key("ms", "time of one micro-step (one global batch)")
     data_ms: float = key("ms", "part of a step: forming the batch")
@@ -73,7 +73,9 @@ class Metrics:
     checkpoint_save_ms: float = key("ms", "mean wall time of one of those saves, written whole (fsync included)")
     # time to quality
     target_mse: float = key("", "target.mse_ratio x optimal_val_mse")
-    time_to_target_s: float = key("s", "training time to the first validation at or under target_mse")
+    time_to_target_s: float = key(
+        "s", "training time (no validation or saves) to the first validation at or under target_mse"
+    )
     steps_to_target: int = key("", "optimizer steps to it")
     samples_to_target: int = key("samples", "samples to it")
     epochs_to_target: float = key("", "epochs to it")
