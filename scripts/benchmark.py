@@ -1,6 +1,6 @@
 """The seed's loop as an expert writes it, against the project's Lightning path, side by side in one run.
 
-    python scripts/benchmark.py                  # CPU, d=1000, B = 64, 1024, 16384, 3 repetitions (~5 min, 2 cores)
+    python scripts/benchmark.py                  # CPU, d=1000, B = 64, 1024, 16384, 3 repetitions (~3 min, 2 cores)
     python scripts/benchmark.py --quick          # a tiny smoke run of every measurement (tests use it)
     python scripts/benchmark.py --threads 1      # one torch thread for both paths
     python scripts/benchmark.py --device cuda    # the same on a GPU (data on the device), with bf16/16-mixed rows

@@ -1,6 +1,6 @@
 """What each speed option of the project's path is worth: the path with one option undone, against the raw loop.
 
-    python scripts/benchmark_options.py                  # CPU, d=1000, B = 64 and 1024, 3 repetitions (~10 min)
+    python scripts/benchmark_options.py                  # CPU, d=1000, B = 64 and 1024, 3 repetitions (~4 min)
     python scripts/benchmark_options.py --threads 1      # one torch thread: steadier on a busy machine
     python scripts/benchmark_options.py --quick          # a tiny smoke run
 

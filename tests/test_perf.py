@@ -175,6 +175,19 @@ def test_benchmark_quick_prints_its_table():
     assert " ms a save (mean of 3), " in cost and "% of the epoch's" in cost
 
 
+def test_benchmark_of_the_options_runs_every_variant():
+    command = [sys.executable, "scripts/benchmark_options.py", "--quick"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["B", "undone"])
+    rows = lines[header + 1 : header + 8]
+    names = [row.split("  ")[0] for row in (r.strip().split(None, 1)[1] for r in rows)]
+    assert names == ["all options", "a step an iteration", "fresh batch tensors", "self.log train/loss",
+                     "Lightning's TensorBoardLogger", "redraw every log step", "/proc status by path"]  # fmt: skip
+    assert all(float(row.split()[-4]) > 0 for row in rows)  # each variant's project_ms
+
+
 def test_batches_copied_to_another_device_are_timed_by_the_data():
     # The data owns the copy hook (it knows where it lives); a copy to another device is timed, one to the
     # device the batch is on is skipped. "meta" stands in for a GPU here.
