@@ -1,6 +1,6 @@
 """The seed's loop as an expert writes it, against the project's Lightning path, side by side in one run.
 
-    python scripts/benchmark.py                  # CPU, d=1000, B = 64, 1024, 16384, 3 repetitions (~3 min, 2 cores)
+    python scripts/benchmark.py                  # CPU, d=1000, B = 64, 1024, 16384, 5 repetitions (~4 min, 2 cores)
     python scripts/benchmark.py --quick          # a tiny smoke run of every measurement (tests use it)
     python scripts/benchmark.py --threads 1      # one torch thread for both paths
     python scripts/benchmark.py --device cuda    # the same on a GPU (data on the device), with bf16/16-mixed rows
@@ -324,7 +324,8 @@ def parse_args():
     parser.add_argument("--precisions", help="default: 32-true on the CPU; 32-true,bf16-mixed,16-mixed on a GPU")
     parser.add_argument("--seconds", type=float, default=3.0, help="about this long a run of the raw loop")
     parser.add_argument("--min-steps", type=int, default=60, help="at least this many steps a run")
-    parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions of each side")
+    # Five: a burst of a shared machine's other work seldom hits all five runs of one side.
+    parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions of each side")
     parser.add_argument("--threads", type=int, help="torch CPU threads of both paths (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
     parser.add_argument(
