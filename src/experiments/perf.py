@@ -242,8 +242,15 @@ class PerfMonitor(Callback):
     for its first run, of the run for later ones) to the start of the first step.
     """
 
-    def __init__(self, global_batch_size: int, warmup_steps: int = WARMUP_BATCHES, started_at: float | None = None):
+    def __init__(
+        self,
+        global_batch_size: int,
+        warmup_steps: int = WARMUP_BATCHES,
+        started_at: float | None = None,
+        saver=None,
+    ):
         self.global_batch_size = global_batch_size
+        self.saver = saver  # the run's LastCheckpoint (run.last_checkpoint): its `seconds_saving` is not training
         self.warmup_steps = warmup_steps
         self.summary: dict[str, float] = {}
         self.started_at = started_at if started_at is not None else run_start_time()
@@ -259,10 +266,6 @@ class PerfMonitor(Callback):
         self.transfer_clock = getattr(trainer.datamodule, "transfer_clock", None)
         self.steps, self.steps_before = 0, internals.micro_batches_done(trainer)[1]  # a resume counts from there
         self.paused = self.paused_transfer = 0.0  # seconds in validation, and in its copies, since the fit began
-        # Imported here: through run.checkpoints it imports the module and its loader, which import this.
-        from experiments.run.last_checkpoint import LastCheckpoint
-
-        self.saver = next((c for c in trainer.callbacks if isinstance(c, LastCheckpoint)), None)
         self.saved_before = self._seconds_saving()
         self.first_step_at = None
         self.fit_start = self._mark(pl_module)

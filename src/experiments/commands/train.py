@@ -119,7 +119,7 @@ class TrainRecipe:
         cfg = self.cfg
         self.resumed = load_checkpoint(self.ckpt_path) if self.ckpt_path else None  # eval's and predict's checks
         L.seed_everything(cfg.seed, workers=True, verbose=False)
-        self.perf = PerfMonitor(global_batch_size=cfg.data.batch_size, started_at=self.started)
+        self.perf = PerfMonitor(cfg.data.batch_size, started_at=self.started, saver=self.last_checkpoint)
         self.target = TimeToTarget(self.perf, **cfg.target)
         self.trainer = self._trainer()
         self.data = instantiate(cfg.data)
