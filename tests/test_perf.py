@@ -273,6 +273,26 @@ def test_a_slow_batch_raises_data_ms_alone(monkeypatch):
     assert abs(slow["framework_ms"] - base["framework_ms"]) < UNMOVED_MS
 
 
+def test_a_slow_save_of_last_ckpt_is_checkpoint_save_ms_not_a_steps_time(run_in_process, tmp_path, monkeypatch):
+    # 4 epochs of 8 steps, last.ckpt at each epoch's end: 50 ms more a save would be 6 ms more a step if the step
+    # clock counted saves (it leaves them out, as it leaves out validation: experiments.perf).
+    from experiments.run.files import AtomicCheckpointIO
+
+    base, _ = run_in_process("trainer.max_epochs=4", "logger=none", run_dir=tmp_path / "base")
+    save = AtomicCheckpointIO.save_checkpoint
+
+    def slow_save(self, *args, **kwargs):
+        time.sleep(0.050)
+        return save(self, *args, **kwargs)
+
+    monkeypatch.setattr(AtomicCheckpointIO, "save_checkpoint", slow_save)
+    slow, _ = run_in_process("trainer.max_epochs=4", "logger=none", run_dir=tmp_path / "slow")
+    assert slow["checkpoints_saved"] == base["checkpoints_saved"] == 4
+    assert slow["checkpoint_save_ms"] - base["checkpoint_save_ms"] >= 40  # the sleep, less a busy base
+    assert abs(slow["step_time_ms"] - base["step_time_ms"]) < UNMOVED_MS
+    assert abs(slow["framework_ms"] - base["framework_ms"]) < UNMOVED_MS
+
+
 def test_breakdown_in_metrics_json_and_tensorboard(tiny_run):
     metrics, run_dir = tiny_run
     assert metrics["data_ms"] > 0 and metrics["compute_ms"] > 0
