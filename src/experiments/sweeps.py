@@ -137,6 +137,13 @@ def record_interrupted_job(hydra_cfg: DictConfig) -> None:
     write_results(Path(hydra_cfg.sweep.dir))
 
 
+def record_failed_job(job_dir: Path, num: int, overrides: list[str], error: str) -> None:
+    """A `failed` row for a job that could not record itself: a search killed while it ran (the Optuna sweeper
+    marks its trial failed when the search goes on). The caller rebuilds results.csv."""
+    record = {"num": num, "overrides": list(overrides), "status": "failed", "error": error}
+    write_atomic(RunPaths(job_dir).job_record, json.dumps(record, indent=2) + "\n")
+
+
 def swept_overrides(hydra_cfg: DictConfig) -> dict[str, str]:
     """This sweep job's overrides of the settings its sweep varies, in the job's order: `{"data.batch_size": "64"}`.
 

@@ -76,6 +76,10 @@ class SweepPaths:
     def lock(self) -> Path:  # held by the sweep that is using the dir (experiments.run.lock)
         return Path(self.root) / ".lock"
 
+    @property
+    def study(self) -> Path:  # an Optuna search's study, unless hydra.sweeper.storage says otherwise
+        return Path(self.root) / "optuna.db"
+
 
 def run_of_checkpoint(checkpoint: Path) -> RunPaths | None:
     """The run dir a checkpoint sits in (`<run>/checkpoints/<name>.ckpt`); None for a file elsewhere."""
