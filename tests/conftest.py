@@ -1,6 +1,7 @@
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import time
@@ -147,3 +148,33 @@ def used_pages(root: Path, skip: tuple[str, ...] = ()) -> int:
     named in `skip`."""
     files = (p for p in root.rglob("*") if p.is_file() and not set(p.relative_to(root).parts) & set(skip))
     return sum(-(-p.stat().st_size // 4096) * 4096 for p in files)
+
+
+# A real browser (tests/test_tensorboard.py, tests/test_search.py) -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def browser():
+    reason = None
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        reason = "Playwright is not installed (pip install -e '.[dev]')"
+    executable = os.environ.get("GPU_LAB_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if reason is None and executable is None:
+        reason = "no Chromium browser (Debian: apt-get install chromium; or GPU_LAB_CHROMIUM=path)"
+    if reason:
+        if os.environ.get("GPU_LAB_REQUIRE_BROWSER"):
+            pytest.fail(f"GPU_LAB_REQUIRE_BROWSER=1 but {reason}")
+        pytest.skip(reason)
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"])  # root in CI
+        yield browser
+        browser.close()
+
+
+@pytest.fixture(scope="module")
+def screenshots(tmp_path_factory) -> Path:
+    out = Path(os.environ.get("GPU_LAB_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -1,6 +1,6 @@
-"""The experiment menu: callbacks, schedulers, optimizers, debug modes, the Optuna search and what a run prints."""
+"""The experiment menu: callbacks, schedulers, optimizers, debug modes and what a run prints (the Optuna search:
+test_search.py)."""
 
-import csv
 import fcntl
 import json
 import os
@@ -13,7 +13,6 @@ import sys
 import termios
 from pathlib import Path
 
-import optuna
 import pytest
 import torch
 from conftest import ROOT, TINY, cli, compose_config
@@ -21,7 +20,6 @@ from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
 from lightning.pytorch.profilers import SimpleProfiler
-from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.commands.entry import CONFIG_DIR
@@ -277,43 +275,3 @@ def test_a_terminal_gets_the_bar_and_the_model_summary_when_asked(tmp_path):
     text = printed.decode(errors="replace")
     assert "\r" in text and "it/s" in text and not EPOCH_LINE.search(text.replace("\r\n", "\n"))
     assert "Total params" in text
-
-
-# ------------------------------------------------------------------------------------------ Optuna search
-
-
-def search(tmp_path: Path, *args: str) -> tuple[subprocess.CompletedProcess, list[dict], optuna.Study]:
-    storage = f"sqlite:///{tmp_path / 'optuna.db'}"
-    command = [sys.executable, "train.py", "-m", *TINY, "hparams_search=optuna", f"hydra.sweeper.storage={storage}"]
-    command += [*args, f"hydra.sweep.dir={tmp_path / 'sweep'}"]
-    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
-    with open(tmp_path / "sweep" / "results.csv") as f:
-        rows = list(csv.DictReader(f))
-    return result, rows, optuna.load_study(study_name="gpu-lab", storage=storage)
-
-
-def test_optuna_search_records_every_trial_and_goes_on_past_a_failed_one(tmp_path):
-    # A test-only space: one lr choice diverges. The sampler's seed (1234) draws both.
-    result, rows, study = search(
-        tmp_path, "hydra.sweeper.n_trials=4", "optimizer=sgd", "optimizer.lr=choice(0.05,100000)"
-    )
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert len(rows) == 4 and {row["status"] for row in rows} == {"completed", "failed"}
-    for row in rows:
-        diverged = row["optimizer.lr"] == "100000"
-        assert row["status"] == ("failed" if diverged else "completed")
-        assert ("diverged" in row["error"]) == diverged
-    states = [trial.state for trial in study.trials]
-    assert states.count(optuna.trial.TrialState.FAIL) == sum(row["status"] == "failed" for row in rows)
-    best = OmegaConf.load(tmp_path / "sweep" / "optimization_results.yaml")
-    assert best.best_params["optimizer.lr"] == 0.05
-    assert best.best_value == pytest.approx(min(float(r["val_mse"]) for r in rows if r["status"] == "completed"))
-
-
-def test_optuna_search_with_ddp_trials(tmp_path):
-    # Each trial's two ranks join that trial's job: two jobs, no nested search.
-    result, rows, study = search(tmp_path, "hydra.sweeper.n_trials=2", "trainer.devices=2", "optimizer=sgd")
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert [row["status"] for row in rows] == ["completed", "completed"]
-    assert [row["world_size"] for row in rows] == ["2", "2"]
-    assert len(study.trials) == 2 and all(t.state == optuna.trial.TrialState.COMPLETE for t in study.trials)

@@ -7,8 +7,6 @@ fails there. GPU_LAB_SCREENSHOTS=DIR keeps its screenshots in DIR (docs/tensorbo
 """
 
 import json
-import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -118,33 +116,6 @@ def test_the_reports_plots_are_tensorboard_images(server, sweep):
 
 
 # In the browser ---------------------------------------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def browser():
-    reason = None
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        reason = "Playwright is not installed (pip install -e '.[dev]')"
-    executable = os.environ.get("GPU_LAB_CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
-    if reason is None and executable is None:
-        reason = "no Chromium browser (Debian: apt-get install chromium; or GPU_LAB_CHROMIUM=path)"
-    if reason:
-        if os.environ.get("GPU_LAB_REQUIRE_BROWSER"):
-            pytest.fail(f"GPU_LAB_REQUIRE_BROWSER=1 but {reason}")
-        pytest.skip(reason)
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=executable, args=["--no-sandbox"])  # root in CI
-        yield browser
-        browser.close()
-
-
-@pytest.fixture(scope="module")
-def screenshots(tmp_path_factory) -> Path:
-    out = Path(os.environ.get("GPU_LAB_SCREENSHOTS") or tmp_path_factory.mktemp("screenshots"))
-    out.mkdir(parents=True, exist_ok=True)
-    return out
 
 
 def test_a_person_sees_curves_named_runs_and_the_swept_knob(server, browser, screenshots):

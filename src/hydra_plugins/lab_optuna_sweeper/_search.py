@@ -13,12 +13,13 @@ from hydra.plugins.launcher import Launcher
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf, open_dict
 from optuna.distributions import BaseDistribution
-from optuna.trial import Trial, TrialState
+from optuna.trial import FrozenTrial, Trial, TrialState
 
+from experiments import internals
 from experiments.config.errors import ConfigError
 from experiments.run.exits import EXIT_BAD_INPUT, EXIT_FAILED, Abort, RunFailed
 from experiments.run.layout import SweepPaths
-from experiments.sweeps import find_jobs, record_failed_job, write_results
+from experiments.sweeps import find_jobs, one_line, record_failed_job, write_results
 
 from ._space import grid, search_space
 
@@ -47,9 +48,11 @@ class Search:
     def run(self, arguments: list[str]) -> None:
         storage = self.open_storage()
         try:
-            done = storage.get_n_trials(storage.get_study_id_from_name(self.study_name))
+            trials = storage.get_all_trials(storage.get_study_id_from_name(self.study_name), deepcopy=False)
         except KeyError:  # a new study
-            done = 0
+            trials = []
+        self.check_jobs(trials)  # before the study is made: a refused search writes nothing
+        done = len(trials)
         try:
             space, fixed = search_space(self.params, arguments)
             sampler, n_trials = self.build_sampler(space, done)
@@ -60,7 +63,6 @@ class Search:
             load_if_exists=True,
         )  # fmt: skip
         self.fail_abandoned_trials(study)
-        self.check_jobs(study)
         log.info("study %s in %s: %d of %d trials done", self.study_name, self.storage, len(study.trials), n_trials)
         while (left := n_trials - len(study.trials)) > 0:
             batch = [study.ask(space) for _ in range(min(self.n_jobs, left))]
@@ -104,7 +106,7 @@ class Search:
         n_trials, options = self.n_trials, {}
         if self.sampler.get("seed") is not None:
             options["seed"] = self.sampler.seed + done
-        if self.sampler.get("_partial_"):  # the grid sampler: built on the values of the space
+        if "search_space" in self.sampler:  # the grid sampler: built on the values of the space
             options["search_space"] = grid(space, "hydra.sweeper.params")
             n_trials = min(n_trials, math.prod(len(v) for v in options["search_space"].values()))
         return instantiate(self.sampler, **options), n_trials
@@ -120,10 +122,10 @@ class Search:
         if running:
             write_results(self.sweep_dir)
 
-    def check_jobs(self, study: optuna.Study) -> None:
-        """Refuse a sweep dir that holds jobs this study did not run (another search's, a grid sweep's): their
-        numbers would be its next trials'."""
-        ours = {t.user_attrs.get("dir") for t in study.get_trials(deepcopy=False)}
+    def check_jobs(self, trials: list[FrozenTrial]) -> None:
+        """Refuse a sweep dir that holds jobs the study's trials did not run (another search's, a grid sweep's):
+        their numbers would be its next trials'."""
+        ours = {t.user_attrs.get("dir") for t in trials}
         strays = [job.num for job in find_jobs(self.sweep_dir) if str(job.dir.resolve()) not in ours]
         if strays:
             raise _refused(
@@ -144,8 +146,12 @@ class Search:
         if isinstance(value, int | float) and math.isfinite(value):
             study.tell(trial, float(value))
             return
-        if job.status == JobStatus.COMPLETED:  # the job's own error, if it raised, is in its job.json and the log
-            log.warning("trial %d: its job returned %r, not a finite number: a failed trial", trial.number, value)
+        if job.status == JobStatus.COMPLETED:
+            error = f"the job returned {value!r}, not a finite number"
+            log.warning("trial %d: %s: a failed trial", trial.number, error)
+        else:  # the job raised: SweepRecord has logged it, and kept its traceback in job.json
+            error = one_line(internals.job_error(job))
+        trial.set_user_attr("error", error)  # beside the trial in optuna-dashboard, as in results.csv
         study.tell(trial, state=TrialState.FAIL)
 
     def write_best(self, study: optuna.Study) -> None:

@@ -8,8 +8,8 @@ from omegaconf import DictConfig
 
 class OptunaSweeper(Sweeper):
     """Keys mirror conf/hydra/sweeper/optuna.yaml: `sampler` is the config of an Optuna sampler (built once the
-    study is open: its seed follows the trials done, the grid's points `params`), `params` the search space in
-    Hydra's override syntax, `storage` a database URL (None: `<sweep dir>/optuna.db`)."""
+    study is open: its seed follows the trials done, the grid's search_space `params`), `params` the search space
+    in Hydra's override syntax, `storage` a database URL (None: `<sweep dir>/optuna.db`)."""
 
     def __init__(
         self,
