@@ -114,6 +114,16 @@ def test_optuna_search_with_ddp_trials(tmp_path):
     assert [t.state for t in study_of(tmp_path / "sweep").trials] == [TrialState.COMPLETE] * 2
 
 
+def test_a_grid_search_runs_each_point_once(tmp_path):
+    space = ("hydra/sweeper/sampler=grid", "optimizer=sgd", "optimizer.lr=choice(0.01,0.05)")
+    result = search(tmp_path / "sweep", "hydra.sweeper.n_trials=20", *space)  # capped at the grid's 2 points
+    assert result.returncode == 0, result.stderr[-2000:]
+    trials = study_of(tmp_path / "sweep").trials
+    assert sorted(t.params["optimizer.lr"] for t in trials) == [0.01, 0.05]
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
+    assert_study_and_results_agree(tmp_path / "sweep")
+
+
 def test_a_search_run_again_continues_its_study_and_a_killed_trial_becomes_failed(tmp_path):
     sweep_dir = tmp_path / "sweep"
     space = ("optimizer=sgd", "optimizer.lr=interval(0.01,0.1)")

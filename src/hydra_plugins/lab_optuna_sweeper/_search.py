@@ -114,7 +114,7 @@ class Search:
     def fail_abandoned_trials(self, study: optuna.Study) -> None:
         running = study.get_trials(deepcopy=False, states=(TrialState.RUNNING,))
         for trial in (t for t in running if t.user_attrs.get("sweep_dir") == str(self.sweep_dir)):
-            study.tell(trial.number, state=TrialState.FAIL)
+            _tell(study, trial.number, state=TrialState.FAIL)
             log.warning("trial %d (job %s): %s", trial.number, trial.user_attrs["job"], ABANDONED)
             job_dir = Path(trial.user_attrs["dir"])
             if job_dir.is_dir():
@@ -144,7 +144,7 @@ class Search:
     def tell(self, study: optuna.Study, trial: Trial, job: JobReturn) -> None:
         value = job.return_value if job.status == JobStatus.COMPLETED else None
         if isinstance(value, int | float) and math.isfinite(value):
-            study.tell(trial, float(value))
+            _tell(study, trial, float(value))
             return
         if job.status == JobStatus.COMPLETED:
             error = f"the job returned {value!r}, not a finite number"
@@ -152,7 +152,7 @@ class Search:
         else:  # the job raised: SweepRecord has logged it, and kept its traceback in job.json
             error = one_line(internals.job_error(job))
         trial.set_user_attr("error", error)  # beside the trial in optuna-dashboard, as in results.csv
-        study.tell(trial, state=TrialState.FAIL)
+        _tell(study, trial, state=TrialState.FAIL)
 
     def write_best(self, study: optuna.Study) -> None:
         done = study.get_trials(deepcopy=False, states=(TrialState.COMPLETE,))
@@ -170,6 +170,17 @@ class Search:
         }
         OmegaConf.save(OmegaConf.create(result), self.sweep_dir / "optimization_results.yaml")
         log.info("best trial %d: %s = %s (%s)", best.number, best.params, best.value, result["best_dir"])
+
+
+def _tell(study: optuna.Study, trial: Trial | int, *args, **kwargs) -> None:
+    try:
+        study.tell(trial, *args, **kwargs)
+    except RuntimeError:
+        # Optuna's GridSampler stops the study at its last point (`study.stop()`), which raises outside
+        # `study.optimize`. The trial is stored all the same (Optuna's tell stores it in a `finally`), and the
+        # search ends there anyway: its n_trials is capped at the number of points.
+        if not isinstance(study.sampler, optuna.samplers.GridSampler):
+            raise
 
 
 def _text(value) -> str:
