@@ -189,3 +189,38 @@ def test_plots_show_the_runs_numbers(sweep, tmp_path, monkeypatch):
     time_panel, steps_panel = plotted["time_to_target_vs_batch_panels"]
     assert sorted(time_panel) == sorted([m["effective_batch_size"], m["time_to_target_s"]] for m in metrics)
     assert sorted(steps_panel) == sorted([m["effective_batch_size"], m["steps_to_target"]] for m in metrics)
+
+
+@pytest.fixture(scope="module")
+def missed_sweep(tmp_path_factory):
+    """B=32 reaches 2x the optimum in TINY's two epochs; B=256 (4 steps an epoch) ends near 100x: it misses."""
+    sweep_dir = tmp_path_factory.mktemp("missed") / "sweep"
+    done = cli("data.batch_size=32,256", "target.mse_ratio=2", f"hydra.sweep.dir={sweep_dir}", "-m")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return sweep_dir
+
+
+def test_a_job_that_missed_the_target_is_in_the_table_and_marked_on_the_plot(missed_sweep, tmp_path, monkeypatch):
+    plotted = {}
+    real_save = reports.save
+
+    def save(fig, path):
+        plotted[path.name] = [[(line.get_label(), line.get_xydata().tolist()) for line in ax.lines] for ax in fig.axes]
+        return real_save(fig, path)
+
+    monkeypatch.setattr(reports, "save", save)
+    (section,) = [s for s in reports.build_sections(missed_sweep, tmp_path) if s.title.startswith("Time to target")]
+    reached, missed = (json.loads((missed_sweep / n / "metrics.json").read_text()) for n in ("0", "1"))
+    assert reached["time_to_target_s"] is not None and missed["time_to_target_s"] is None
+    rows = {row["global_batch_size"]: row for row in section.rows}
+    assert rows[32]["time_to_target_s"] == reached["time_to_target_s"]
+    assert rows[256]["time_to_target_s"] == "not reached"
+    (events,) = {f.parent for f in (missed_sweep / "1" / "tensorboard").glob("**/events.out.tfevents.*")}
+    best = min(p.value for p in EventAccumulator(str(events)).Reload().Scalars("val/mse"))
+    assert rows[256]["best_val_mse"] == pytest.approx(best)
+    assert rows[256]["best_over_optimum"] == pytest.approx(best / missed["optimal_val_mse"])
+    assert rows[256]["best_over_optimum"] > 2  # the target: target.mse_ratio x the optimum
+    for panel in plotted["time_to_target_vs_batch.png"]:  # each panel: the reached point, a cross at B=256
+        lines = dict(panel)
+        assert [x for x, _ in lines["cpu x1 single_device"]] == [32]
+        assert [x for x, _ in lines["cpu x1 single_device: not reached"]] == [256]

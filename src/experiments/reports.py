@@ -93,6 +93,10 @@ def fmt(value) -> str:
     return str(value)
 
 
+def fmt_none(value):
+    return "" if value is None else value
+
+
 def markdown_table(columns: list[str], rows: list[dict]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(fmt(row.get(c, "")) for c in columns) + " |" for row in rows]
@@ -103,7 +107,7 @@ def log2_axis(ax) -> None:
     """Batch sizes and accumulation steps double: space them evenly, and label the plotted values (64, 128),
     not powers (2^6, 2^7). Call it after plotting."""
     ax.set_xscale("log", base=2)
-    ticks = sorted({x for line in ax.lines if line.get_marker() == "o" for x in line.get_xdata()})
+    ticks = sorted({x for line in ax.lines if line.get_marker() in ("o", "x") for x in line.get_xdata()})
     ax.set_xticks(ticks, labels=[f"{t:g}" for t in ticks])
     ax.xaxis.set_minor_formatter(NullFormatter())
 
@@ -187,13 +191,17 @@ def xy_section(
     filename: str,
     shown: tuple[str, ...] = (),
     also: tuple[tuple[str, str, str], ...] = (),
+    missing: str = "",
 ) -> Section:
     """One metric against another, a line per series; skipped when no series has two x values. The table adds
     the metrics `shown`, which tell apart the rows of a series at one x; `also` holds (metric, ylabel, title) of
-    more metrics against the same x, each in a panel of its own beside the first."""
+    more metrics against the same x, each in a panel of its own beside the first. With `missing` (what a null `y`
+    means: "not reached"), a completed job without `y` is a row that says so, and a cross along each panel's top."""
     section = Section(title)
-    measured = [j for j in completed(jobs) if j.metrics.get(y) is not None]  # time_to_target_s: null if missed
-    groups = {k: sorted(v, key=lambda j: j.metrics[x]) for k, v in by_series(measured, x_keys).items()}
+    with_x = [j for j in completed(jobs) if j.metrics.get(x) is not None]
+    if not missing:
+        with_x = [j for j in with_x if j.metrics.get(y) is not None]
+    groups = {k: sorted(v, key=lambda j: j.metrics[x]) for k, v in by_series(with_x, x_keys).items()}
     groups = {k: v for k, v in groups.items() if len({j.metrics[x] for j in v}) > 1}
     if not groups:
         section.note = f"No plot: no series of completed jobs has two values of `{x}` in this sweep."
@@ -202,15 +210,22 @@ def xy_section(
     fig, axes = plt.subplots(1, len(panels), figsize=(7 * len(panels), 4.5), squeeze=False)
     for ax, (metric, label, panel_title) in zip(axes[0], panels, strict=True):
         for series, group in groups.items():
-            ax.plot([j.metrics[x] for j in group], [j.metrics[metric] for j in group], marker="o", label=series)
+            measured = [j for j in group if j.metrics.get(y) is not None]
+            line = ax.plot([j.metrics[x] for j in measured], [j.metrics[metric] for j in measured], marker="o",
+                           label=series)  # fmt: skip
+            missed = [j.metrics[x] for j in group if j.metrics.get(y) is None]
+            if missed:  # at the panel's top, in the series' colour: the x is the job's, the height says nothing
+                ax.plot(missed, [0.97] * len(missed), marker="x", markersize=10, linestyle="none", label=f"{series}: "
+                        f"{missing}", color=line[0].get_color(), transform=ax.get_xaxis_transform())  # fmt: skip
         ax.set(title=panel_title, xlabel=xlabel, ylabel=label)
         log2_axis(ax)
         ax.legend(fontsize="x-small")
     extra = [metric for metric, _, _ in also]
     for label, group in groups.items():
         section.rows += [
-            {"series": label, x: j.metrics[x], **{k: j.metrics[k] for k in shown}, y: j.metrics[y],
-             **{k: j.metrics[k] for k in extra}, **compute_share(j)}
+            {"series": label, x: j.metrics[x], **{k: j.metrics.get(k) for k in shown},
+             y: missing if j.metrics.get(y) is None else j.metrics[y], **{k: fmt_none(j.metrics.get(k)) for k in extra},
+             **compute_share(j)}
             for j in group
         ]  # fmt: skip
     section.columns = ["series", x, *shown, y, *extra, "compute_pct"]
@@ -226,14 +241,25 @@ def compute_share(job: Job) -> dict:
 
 def time_to_target_section(jobs: list[Job], out: Path) -> Section:
     """The time and the optimizer steps to the target against the effective batch: a larger batch needs fewer
-    steps, each longer; the time is what the user waits for."""
+    steps, each longer; the time is what the user waits for. A job that missed the target is there too, "not
+    reached", with the best val_mse it got to against the optimum."""
+    targeted = [replace(j, metrics=j.metrics | best_val_mse(j)) for j in jobs if j.metrics.get("target_mse")]
     return xy_section(
-        jobs, out, "Time to target vs batch size", "effective_batch_size", "time_to_target_s",
+        targeted, out, "Time to target vs batch size", "effective_batch_size", "time_to_target_s",
         BATCH_KEYS + ACCUMULATION_KEYS, "effective batch size (samples per optimizer step)",
         "training time to val_mse <= target (s)", "time_to_target_vs_batch.png",
-        shown=("global_batch_size", "accumulate_grad_batches"),  # an effective batch is B x 1 and B/4 x 4
+        # an effective batch is B x 1 and B/4 x 4; how close a job came, whether it got there or not
+        shown=("global_batch_size", "accumulate_grad_batches", "best_val_mse", "best_over_optimum"),
         also=(("steps_to_target", "optimizer steps to val_mse <= target", "Steps to target vs batch size"),),
+        missing="not reached",
     )  # fmt: skip
+
+
+def best_val_mse(job: Job) -> dict:
+    """The lowest val/mse the job logged (its final val_mse where it left no TensorBoard files), and that over
+    the optimum: 1.0 is the exact least-squares fit, the target is target.mse_ratio."""
+    best = min([value for _, value in loss_curves(job, "val/mse")] + [job.metrics["val_mse"]])
+    return {"best_val_mse": best, "best_over_optimum": best / job.metrics["optimal_val_mse"]}
 
 
 def throughput_section(jobs: list[Job], out: Path) -> Section:
