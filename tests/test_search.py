@@ -115,7 +115,7 @@ def test_optuna_search_with_ddp_trials(tmp_path):
 
 
 def test_a_grid_search_runs_each_point_once(tmp_path):
-    space = ("hydra/sweeper/sampler=grid", "optimizer=sgd", "optimizer.lr=choice(0.01,0.05)")
+    space = ("hydra/sweeper/optuna_sampler=grid", "optimizer=sgd", "optimizer.lr=choice(0.01,0.05)")
     result = search(tmp_path / "sweep", "hydra.sweeper.n_trials=20", *space)  # capped at the grid's 2 points
     assert result.returncode == 0, result.stderr[-2000:]
     trials = study_of(tmp_path / "sweep").trials
@@ -216,7 +216,8 @@ def test_the_grid_refuses_an_interval():
 def test_each_sampler_is_seeded(sampler):
     """The sampler the config builds draws the same trials again; a continued search (trials done) others."""
     with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
-        cfg = compose("config", ["hparams_search=optuna", f"hydra/sweeper/sampler={sampler}"], return_hydra_config=True)
+        overrides = ["hparams_search=optuna", f"hydra/sweeper/optuna_sampler={sampler}"]
+        cfg = compose("config", overrides, return_hydra_config=True)
     settings = {k: v for k, v in cfg.hydra.sweeper.items() if not k.startswith("_")}
     settings["params"] = {"optimizer.lr": "range(0.01,0.1,0.01)", "data.batch_size": "choice(64,256,1024)"}
     sweeper = Search(cfg, None, **settings)

@@ -56,7 +56,7 @@ def grid(space: dict[str, BaseDistribution], settings: str) -> dict[str, list[An
             values[key] = [dist.low + i * dist.step for i in range(count)]
         else:
             raise ConfigError(
-                f"{settings}.{key}: an interval has no grid; allowed with hydra/sweeper/sampler=grid: "
+                f"{settings}.{key}: an interval has no grid; allowed with hydra/sweeper/optuna_sampler=grid: "
                 "choice(...) or range(start, stop[, step])"
             )
     return values

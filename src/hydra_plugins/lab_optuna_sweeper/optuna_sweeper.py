@@ -1,4 +1,4 @@
-"""The plugin class Hydra instantiates from `hydra.sweeper` (conf/hydra/sweeper/optuna.yaml); see `__init__.py`."""
+"""The plugin class Hydra instantiates from `hydra.sweeper` (conf/hydra/sweeper/lab_optuna.yaml); see `__init__.py`."""
 
 from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
@@ -7,7 +7,7 @@ from omegaconf import DictConfig
 
 
 class OptunaSweeper(Sweeper):
-    """Keys mirror conf/hydra/sweeper/optuna.yaml: `sampler` is the config of an Optuna sampler (built once the
+    """Keys mirror conf/hydra/sweeper/lab_optuna.yaml: `sampler` is the config of an Optuna sampler (built once the
     study is open: its seed follows the trials done, the grid's search_space `params`), `params` the search space
     in Hydra's override syntax, `storage` a database URL (None: `<sweep dir>/optuna.db`)."""
 
