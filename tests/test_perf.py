@@ -234,7 +234,7 @@ def breakdown(net: torch.nn.Module | None = None, *callbacks: Callback) -> dict:
     )  # fmt: skip
     trainer.fit(module, datamodule=data)
     m = perf.summary
-    parts = m["data_ms"] + m["transfer_ms"] + m["compute_ms"] + m["framework_ms"]
+    parts = m["data_ms"] + m["transfer_ms"] + m["compute_ms"] + m["comm_ms"] + m["framework_ms"]
     assert parts == pytest.approx(m["step_time_ms"])
     return m
 
