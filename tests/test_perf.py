@@ -178,6 +178,22 @@ def test_benchmark_quick_prints_its_table():
     assert " ms a save (mean of 3), " in cost and "% of the epoch's" in cost
 
 
+def test_benchmark_ddp_quick_prints_its_table():
+    # Every side of `--ddp` runs (raw DDP x2, `train.py trainer.devices=2`), whole processes; tiny, so its figures are
+    # noise: the test checks the table's shape and the project's own figures, not the ratios.
+    command = [sys.executable, "scripts/benchmark.py", "--ddp", "--quick"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["B", "steps", "raw_ms"])
+    names, row = lines[header].split(), lines[header + 1].split()
+    assert (row[0], row[1]) == ("64", "20/60")
+    figures = dict(zip(names, row, strict=True))
+    assert float(figures["step_time_ms"]) > 0 and float(figures["comm_ms"]) > 0  # the DDP run's own breakdown
+    assert "targets: judged at d=1000 only" in lines
+    assert any(line.startswith("gloo all_reduce of the seed's 17 gradients, timed alone: ") for line in lines)
+
+
 def test_benchmark_of_the_options_runs_every_variant():
     command = [sys.executable, "scripts/benchmark_options.py", "--quick"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
