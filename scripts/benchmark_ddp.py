@@ -19,6 +19,8 @@ import tempfile
 import time
 from pathlib import Path
 
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 LENGTHS = {64: (1500, 4500), 1024: (1000, 3000), 4096: (300, 900)}  # B: the short and the long run's steps
 TARGETS = {64: 1.20, 1024: 1.15, 4096: 1.10}  # B: project DDP x2 at most this times raw DDP x2
@@ -37,7 +39,13 @@ def timed(command: list[str]) -> float:
 
 
 def raw(args, batch: int, steps: int) -> tuple[float, dict]:
-    command = [sys.executable, "scripts/raw_ddp.py", f"--batch-size={batch}", f"--steps={steps}"]
+    command = [
+        sys.executable,
+        "scripts/raw_ddp.py",
+        f"--batch-size={batch}",
+        f"--steps={steps}",
+        f"--device={args.device}",
+    ]
     return timed([*command, f"--features={args.features}", f"--samples={args.samples}"]), {}
 
 
@@ -46,6 +54,7 @@ def project(args, batch: int, steps: int, devices: int) -> tuple[float, dict]:
         command = [sys.executable, "train.py", f"trainer.devices={devices}", f"data.batch_size={batch}"]
         command += [f"data.num_features={args.features}", f"data.num_samples={args.samples}"]
         command += [f"trainer.max_steps={steps}", "trainer.max_epochs=-1", "trainer.limit_val_batches=0"]
+        command += ["trainer.accelerator=gpu"] if args.device == "cuda" else []  # NCCL, the data on the GPUs
         seconds = timed([*command, f"hydra.run.dir={run_dir}"])
         return seconds, json.loads((Path(run_dir) / "metrics.json").read_text())
 
@@ -103,9 +112,9 @@ def cell(value, fmt: str) -> str:
     return "-" if value is None else fmt.format(value)
 
 
-def verdicts(rows: list[dict], features: int) -> list[str]:
-    if features != 1000:
-        return ["targets: judged at d=1000 only"]
+def verdicts(rows: list[dict], features: int, device: str) -> list[str]:
+    if features != 1000 or device != "cpu":
+        return ["targets: judged at d=1000 on the CPU only"]
     lines = []
     for row in rows:
         b = row["B"]
@@ -126,12 +135,15 @@ def allreduce_ms(args) -> float:
     for _ in range(args.reps):
         calls = 200 if args.quick else 2000
         command = [sys.executable, "scripts/raw_ddp.py", f"--allreduce={calls}", f"--features={args.features}"]
+        command += [f"--device={args.device}"]
         out = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, check=True).stdout
         times.append(float(out.split(":")[-1].split()[0]))
     return statistics.median(times)
 
 
 def main(args) -> None:
+    if args.device == "cuda" and torch.cuda.device_count() < 2:
+        sys.exit(f"error: --ddp --device cuda needs 2 CUDA GPUs; {torch.cuda.device_count()} visible to PyTorch")
     args.single = SINGLE
     args.lengths = {}
     if args.quick:
@@ -142,7 +154,8 @@ def main(args) -> None:
     if args.quick and not args.batch_sizes:
         batches = [64]
     print(
-        f"gpu-lab DDP benchmark: {os.cpu_count()} CPUs, gloo, d={args.features}, {args.samples} samples, no "
+        f"gpu-lab DDP benchmark: {os.cpu_count()} CPUs, {'NCCL, 2 GPUs' if args.device == 'cuda' else 'gloo'}, "
+        f"d={args.features}, {args.samples} samples, no "
         f"validation; load average {os.getloadavg()[0]:.1f} at the start"
     )
     print(
@@ -156,6 +169,7 @@ def main(args) -> None:
     widths = [max(len(c[i]) for c in cells) for i in range(len(COLUMNS))]
     print()
     print("\n".join("  ".join(c.rjust(w) for c, w in zip(r, widths, strict=True)) for r in cells))
-    print("\n".join(verdicts(rows, args.features)))
-    print(f"gloo all_reduce of the seed's {args.features + 1} gradients, timed alone: {allreduce_ms(args):.3f} ms")
+    print("\n".join(verdicts(rows, args.features, args.device)))
+    backend = "NCCL" if args.device == "cuda" else "gloo"
+    print(f"{backend} all_reduce of the seed's {args.features + 1} gradients, timed alone: {allreduce_ms(args):.3f} ms")
     print(f"load average {os.getloadavg()[0]:.1f} at the end")

@@ -2,6 +2,7 @@
 
     python scripts/raw_ddp.py --batch-size 64 --steps 1500          # two ranks over gloo, d=1000, 65,536 samples
     python scripts/raw_ddp.py --allreduce 2000                      # a gloo all_reduce of d+1 floats, timed alone
+    python scripts/raw_ddp.py --device cuda                         # a GPU a rank, NCCL, the data on the GPUs
 
 Each rank: one torch thread, data of the project's sizes (its training split: 80% of `--samples`, drawn as
 experiments.data.SyntheticRegression draws them, without importing the project: each rank would pay Lightning's
@@ -24,7 +25,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 def rank_main(rank: int, args) -> None:
     torch.set_num_threads(1)  # one core a rank, as Lightning sets it for DDP on a 2-core CPU
-    dist.init_process_group("gloo", rank=rank, world_size=args.ranks)
+    if args.device == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo", rank=rank, world_size=args.ranks)
     try:
         if args.allreduce:
             allreduce_alone(rank, args)
@@ -38,15 +41,17 @@ def train(rank: int, args) -> None:
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(args.samples - round(0.2 * args.samples), args.features, generator=generator)
     y = x @ (torch.randn(args.features, 1, generator=generator) / args.features**0.5) + 0.1 * torch.randn(len(x), 1)
+    device = torch.device(f"cuda:{rank}") if args.device == "cuda" else torch.device("cpu")
+    x, y = x.to(device), y.to(device)  # on a GPU the data lives there, as the project's data.on_device=auto keeps it
     torch.manual_seed(0)
-    model = DistributedDataParallel(torch.nn.Linear(x.shape[1], y.shape[1]))
+    model = DistributedDataParallel(torch.nn.Linear(x.shape[1], y.shape[1]).to(device))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     share = args.batch_size // args.ranks
-    xb, yb = torch.empty(share, x.shape[1]), torch.empty(share, y.shape[1])
-    generator = torch.Generator().manual_seed(0)  # the same order on every rank
+    xb, yb = torch.empty(share, x.shape[1], device=device), torch.empty(share, y.shape[1], device=device)
+    generator = torch.Generator(device=device).manual_seed(0)  # the same order on every rank
     step, start = 0, args.steps // 5
     while step < args.steps:
-        order = torch.randperm(len(x), generator=generator)
+        order = torch.randperm(len(x), generator=generator, device=device)
         for i in range(len(x) // args.batch_size):
             index = order[i * args.batch_size + rank * share : i * args.batch_size + (rank + 1) * share]
             torch.index_select(x, 0, index, out=xb)
@@ -56,16 +61,17 @@ def train(rank: int, args) -> None:
             optimizer.step()
             step += 1
             if step == start:
-                began = time.perf_counter()
+                began = synchronized_clock(device)
             if step == args.steps:
                 break
+    synchronized_clock(device)
     if rank == 0:
         print(f"raw DDP x{args.ranks}: {1e3 * (time.perf_counter() - began) / (args.steps - start):.3f} ms a step")
 
 
 def allreduce_alone(rank: int, args) -> None:
     """Milliseconds a gloo all_reduce of the seed's gradients (d weights and a bias) costs, nothing else running."""
-    grads = torch.ones(args.features + 1)
+    grads = torch.ones(args.features + 1, device=f"cuda:{rank}" if args.device == "cuda" else "cpu")
     for _ in range(50):
         dist.all_reduce(grads)
     began = time.perf_counter()
@@ -74,6 +80,12 @@ def allreduce_alone(rank: int, args) -> None:
     if rank == 0:
         ms = 1e3 * (time.perf_counter() - began) / args.allreduce
         print(f"all_reduce of {args.features + 1} float32: {ms:.4f} ms")
+
+
+def synchronized_clock(device: torch.device) -> float:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
 
 
 def free_port() -> int:
@@ -89,6 +101,7 @@ def main() -> None:
     parser.add_argument("--features", type=int, default=1000)
     parser.add_argument("--samples", type=int, default=65536, help="train + validation (80/20), as the project")
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: NCCL, a GPU a rank")
     parser.add_argument("--allreduce", type=int, default=0, help="time this many all_reduce calls instead")
     args = parser.parse_args()
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")

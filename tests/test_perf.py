@@ -190,7 +190,7 @@ def test_benchmark_ddp_quick_prints_its_table():
     assert (row[0], row[1]) == ("64", "20/60")
     figures = dict(zip(names, row, strict=True))
     assert float(figures["step_time_ms"]) > 0 and float(figures["comm_ms"]) > 0  # the DDP run's own breakdown
-    assert "targets: judged at d=1000 only" in lines
+    assert "targets: judged at d=1000 on the CPU only" in lines
     assert any(line.startswith("gloo all_reduce of the seed's 17 gradients, timed alone: ") for line in lines)
 
 
