@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY, cli, compose_config
 from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.commands.train import train
 from experiments.config.checks import check_strategy
@@ -95,6 +96,13 @@ def torchrun_two_nodes(cwd: Path, *args: str) -> list[subprocess.Popen]:
 
 
 WINDOWED = ["data.num_samples=2560", "data.batch_size=64"]  # 32 steps an epoch, 2 epochs
+# A cosine schedule over 4 epochs, and EarlyStopping that stops at the first validation (its threshold is met).
+SCHEDULED_EARLY_STOP = [
+    "trainer.max_epochs=4",
+    "scheduler=cosine",
+    "callbacks=early_stopping",
+    "+callbacks.early_stopping.stopping_threshold=0.5",
+]
 
 
 def tree(path: Path) -> set[str]:
@@ -124,6 +132,7 @@ def runs(tmp_path_factory) -> dict:
             "trainer.log_every_n_steps=3",
         ],
         "ddp_spawn_64_w7": ["strategy=ddp_spawn", "trainer.devices=2", *WINDOWED, "trainer.log_every_n_steps=7"],
+        "ddp_64_w7_sched_es": ["trainer.devices=2", *WINDOWED, *SCHEDULED_EARLY_STOP, "trainer.log_every_n_steps=7"],
     }.items():
         dirs[name] = tmp / name
         procs.append(train_py(*overrides, f"hydra.run.dir={dirs[name]}", cwd=ROOT))
@@ -146,6 +155,7 @@ def runs(tmp_path_factory) -> dict:
         "single_64x4": ["data.batch_size=64", "trainer.accumulate_grad_batches=4"],
         "single_128": ["data.batch_size=128"],  # different maths: shows that the tolerance can tell
         "single_64": [*WINDOWED, "trainer.log_every_n_steps=1"],  # a step a window
+        "single_64_sched_es": [*WINDOWED, *SCHEDULED_EARLY_STOP, "trainer.log_every_n_steps=1"],
     }.items():
         dirs[name] = tmp / name
         train(compose_config(*overrides, "logger=none"), dirs[name])
@@ -175,6 +185,24 @@ def test_windows_of_steps_under_ddp_equal_single_device(runs, name):
 
 def test_a_different_batch_gives_different_weights(runs):
     assert relative_difference(weights(runs["single_128"]), weights(runs["single_256"])) > 1e-3
+
+
+def test_windows_under_ddp_schedule_and_stop_early_as_one_device(runs):
+    ddp, one = metrics(runs["ddp_64_w7_sched_es"]), metrics(runs["single_64_sched_es"])
+    assert [(m["global_step"], m["stopped_epoch"], m["stop_reason"]) for m in (ddp, one)] == [
+        (32, 0, "stopping_threshold")
+    ] * 2
+    assert relative_difference(weights(runs["ddp_64_w7_sched_es"]), weights(runs["single_64_sched_es"])) <= 1e-5
+
+
+def test_windows_under_ddp_log_at_the_steps_of_one_device(runs, tmp_path):
+    train(compose_config(*WINDOWED, "trainer.log_every_n_steps=7"), tmp_path / "one")
+    ddp, one = (EventAccumulator(str(d / "tensorboard")).Reload() for d in (runs["ddp_64_w7"], tmp_path / "one"))
+    for tag in ("train/loss", "perf/step_time_ms", "perf/comm_ms"):
+        assert [p.step for p in ddp.Scalars(tag)] == [p.step for p in one.Scalars(tag)], tag
+    assert [p.step for p in ddp.Scalars("train/loss")][:3] == [6, 13, 20]  # log steps 7, 14, 21 (0-based)
+    assert min(p.value for p in ddp.Scalars("perf/comm_ms")) > 0  # DDP's all-reduce, timed
+    assert max(p.value for p in one.Scalars("perf/comm_ms")) == 0
 
 
 @pytest.mark.parametrize(
