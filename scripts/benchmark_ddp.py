@@ -7,6 +7,8 @@ every side at both lengths, the sides in a rotated order; the ratio project / ra
 (pairing runs that met the same load), and the median over `--reps` repetitions is reported with its least and
 greatest. Beside it, the project's own figures from the long run's metrics.json (medians): `step_time_ms` and its
 parts, and `clock`: its step_time_ms / the outside clock's step (the breakdown tells the truth when near 1).
+Beside them the two runs' own clocks (the raw ranks' steady state, the project's step_time_ms), paired the same way
+(`own_ratio`): start-up, whose time varies most on a shared machine, stays out of it.
 The project runs as a user types it (TensorBoard, progress bar, last.ckpt at each epoch's end), with no validation.
 """
 
@@ -29,13 +31,14 @@ CLOCK_AGREEMENT = 0.20  # the run's step_time_ms within this of the outside cloc
 SINGLE = (64, 4096)  # the batches at which one device runs too (the account of DDP on a CPU: docs/benchmarks.md)
 
 
-def timed(command: list[str]) -> float:
+def timed(command: list[str]) -> tuple[float, str]:
+    """(the command's wall seconds, its output)."""
     start = time.perf_counter()
-    done = subprocess.run(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     seconds = time.perf_counter() - start
     if done.returncode:
         sys.exit(f"error: {' '.join(command)} failed:\n{done.stderr[-2000:]}")
-    return seconds
+    return seconds, done.stdout
 
 
 def raw(args, batch: int, steps: int) -> tuple[float, dict]:
@@ -46,7 +49,8 @@ def raw(args, batch: int, steps: int) -> tuple[float, dict]:
         f"--steps={steps}",
         f"--device={args.device}",
     ]
-    return timed([*command, f"--features={args.features}", f"--samples={args.samples}"]), {}
+    seconds, out = timed([*command, f"--features={args.features}", f"--samples={args.samples}"])
+    return seconds, {"step_time_ms": float(out.split("ms a step")[0].split()[-1])}  # the ranks' own clock
 
 
 def project(args, batch: int, steps: int, devices: int) -> tuple[float, dict]:
@@ -55,7 +59,7 @@ def project(args, batch: int, steps: int, devices: int) -> tuple[float, dict]:
         command += [f"data.num_features={args.features}", f"data.num_samples={args.samples}"]
         command += [f"trainer.max_steps={steps}", "trainer.max_epochs=-1", "trainer.limit_val_batches=0"]
         command += ["trainer.accelerator=gpu"] if args.device == "cuda" else []  # NCCL, the data on the GPUs
-        seconds = timed([*command, f"hydra.run.dir={run_dir}"])
+        seconds, _ = timed([*command, f"hydra.run.dir={run_dir}"])
         return seconds, json.loads((Path(run_dir) / "metrics.json").read_text())
 
 
@@ -70,7 +74,7 @@ def measure(args, batch: int) -> dict:
     short, long = args.lengths.get(batch, LENGTHS.get(batch, (1000, 3000)))
     sides = [s for s in SIDES if s != "single" or batch in args.single]
     per_step = {side: [] for side in sides}
-    metrics = []
+    metrics, raw_own = [], []
     for rep in range(args.reps):
         shift = rep % len(sides)
         for side in sides[shift:] + sides[:shift]:
@@ -79,10 +83,13 @@ def measure(args, batch: int) -> dict:
             per_step[side].append(1e3 * (t_long - t_short) / (long - short))
             if side == "ddp":
                 metrics.append(m)
+            if side == "raw":
+                raw_own.append(m["step_time_ms"])
         print(f"  B={batch} repetition {rep + 1}: " + ", ".join(f"{s} {v[-1]:.3f} ms" for s, v in per_step.items()),
               file=sys.stderr, flush=True)  # fmt: skip
     ratios = [d / r for d, r in zip(per_step["ddp"], per_step["raw"], strict=True)]
     clocks = [m["step_time_ms"] / d for m, d in zip(metrics, per_step["ddp"], strict=True)]
+    own_ratios = [m["step_time_ms"] / r for m, r in zip(metrics, raw_own, strict=True)]
     own = {k: statistics.median(m[k] for m in metrics) for k in PARTS}
     row = {
         "B": batch,
@@ -94,6 +101,8 @@ def measure(args, batch: int) -> dict:
         "single_ms": statistics.median(per_step["single"]) if "single" in per_step else None,
         **own,
         "clock": statistics.median(clocks),
+        "raw_own_ms": statistics.median(raw_own),
+        "own_ratio": statistics.median(own_ratios),
         "framework_pct": 100 * own["framework_ms"] / statistics.median(per_step["ddp"]),
     }
     return row
@@ -103,6 +112,7 @@ PARTS = ("step_time_ms", "data_ms", "compute_ms", "comm_ms", "framework_ms")
 COLUMNS = [
     ("B", "{}"), ("steps", "{}"), ("raw_ms", "{:.3f}"), ("ddp_ms", "{:.3f}"), ("ratio", "{:.2f}"),
     ("ratio_range", "{}"), ("single_ms", "{:.3f}"), ("step_time_ms", "{:.3f}"), ("clock", "{:.2f}"),
+    ("raw_own_ms", "{:.3f}"), ("own_ratio", "{:.2f}"),
     ("data_ms", "{:.3f}"), ("compute_ms", "{:.3f}"), ("comm_ms", "{:.3f}"), ("framework_ms", "{:.3f}"),
     ("framework_pct", "{:.1f}"),
 ]  # fmt: skip
@@ -162,7 +172,9 @@ def main(args) -> None:
         f"each row: {args.reps} interleaved repetitions; *_ms: per step from the difference of two whole-process run "
         "lengths (steps: short/long), medians; raw: scripts/raw_ddp.py (DDP x2); ddp: `python train.py "
         "trainer.devices=2`; single: `python train.py` (one process); ratio = ddp / raw within a repetition, its "
-        "median and range; step_time_ms and its parts: the DDP run's own metrics.json; clock = step_time_ms / ddp_ms"
+        "median and range; step_time_ms and its parts: the DDP run's own metrics.json; clock = step_time_ms / ddp_ms; "
+        "raw_own_ms: the raw loop's own steady-state clock (long runs), own_ratio = step_time_ms / raw_own_ms within a "
+        "repetition: the two runs' own clocks, start-up left out (on a noisy machine the steadier comparison)"
     )
     rows = [measure(args, b) for b in batches]
     cells = [[n for n, _ in COLUMNS]] + [[cell(r[n], f) for n, f in COLUMNS] for r in rows]
