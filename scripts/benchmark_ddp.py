@@ -74,7 +74,7 @@ def measure(args, batch: int) -> dict:
     short, long = args.lengths.get(batch, LENGTHS.get(batch, (1000, 3000)))
     sides = [s for s in SIDES if s != "single" or batch in args.single]
     per_step = {side: [] for side in sides}
-    metrics, raw_own = [], []
+    metrics, raw_own, single_own = [], [], []
     for rep in range(args.reps):
         shift = rep % len(sides)
         for side in sides[shift:] + sides[:shift]:
@@ -85,6 +85,8 @@ def measure(args, batch: int) -> dict:
                 metrics.append(m)
             if side == "raw":
                 raw_own.append(m["step_time_ms"])
+            if side == "single":
+                single_own.append(m["step_time_ms"])
         print(f"  B={batch} repetition {rep + 1}: " + ", ".join(f"{s} {v[-1]:.3f} ms" for s, v in per_step.items()),
               file=sys.stderr, flush=True)  # fmt: skip
     ratios = [d / r for d, r in zip(per_step["ddp"], per_step["raw"], strict=True)]
@@ -103,6 +105,7 @@ def measure(args, batch: int) -> dict:
         "clock": statistics.median(clocks),
         "raw_own_ms": statistics.median(raw_own),
         "own_ratio": statistics.median(own_ratios),
+        "single_own_ms": statistics.median(single_own) if single_own else None,
         "framework_pct": 100 * own["framework_ms"] / statistics.median(per_step["ddp"]),
     }
     return row
@@ -112,7 +115,7 @@ PARTS = ("step_time_ms", "data_ms", "compute_ms", "comm_ms", "framework_ms")
 COLUMNS = [
     ("B", "{}"), ("steps", "{}"), ("raw_ms", "{:.3f}"), ("ddp_ms", "{:.3f}"), ("ratio", "{:.2f}"),
     ("ratio_range", "{}"), ("single_ms", "{:.3f}"), ("step_time_ms", "{:.3f}"), ("clock", "{:.2f}"),
-    ("raw_own_ms", "{:.3f}"), ("own_ratio", "{:.2f}"),
+    ("raw_own_ms", "{:.3f}"), ("own_ratio", "{:.2f}"), ("single_own_ms", "{:.3f}"),
     ("data_ms", "{:.3f}"), ("compute_ms", "{:.3f}"), ("comm_ms", "{:.3f}"), ("framework_ms", "{:.3f}"),
     ("framework_pct", "{:.1f}"),
 ]  # fmt: skip
@@ -174,7 +177,9 @@ def main(args) -> None:
         "trainer.devices=2`; single: `python train.py` (one process); ratio = ddp / raw within a repetition, its "
         "median and range; step_time_ms and its parts: the DDP run's own metrics.json; clock = step_time_ms / ddp_ms; "
         "raw_own_ms: the raw loop's own steady-state clock (long runs), own_ratio = step_time_ms / raw_own_ms within a "
-        "repetition: the two runs' own clocks, start-up left out (on a noisy machine the steadier comparison)"
+        "repetition: the two runs' own clocks, start-up left out (on a noisy machine the steadier comparison); "
+        "single_own_ms: the one-process run's "
+        "step_time_ms"
     )
     rows = [measure(args, b) for b in batches]
     cells = [[n for n, _ in COLUMNS]] + [[cell(r[n], f) for n, f in COLUMNS] for r in rows]
