@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# scripts/local_slurm.sh start|stop|status [--nodes 1|2]     a SLURM cluster on this machine, for the tests and a laptop
+# scripts/local_slurm.sh start|stop|status|check [--nodes 1|2]     a SLURM cluster on this machine, for the tests and a laptop
 #
 # Runs Debian's munged, slurmctld and slurmd (SLURM 22.05; `apt-get install slurmctld slurmd slurm-client munge`)
 # as root, with everything they write in one folder of their own: GPU_LAB_SLURM_DIR, default /tmp/gpu-lab-slurm
@@ -13,10 +13,12 @@
 # bridge (GPU_LAB_BRIDGE, default glab-br0, GPU_LAB_NET.1, default 10.88.0.1) by veth pairs (GPU_LAB_VETH,
 # default glab-v: glab-v1, glab-v2 here), at GPU_LAB_NET.11 and .12, named in /etc/hosts by lines tagged
 # "# gpu-lab local_slurm.sh <dir>". Its ports default to 6827 and 6828, so both clusters can run at once.
-# Needs root, network and UTS namespaces, and a slurmd built with multiple-slurmd support (`slurmd -N`).
+# Needs root, network and UTS namespaces, and a slurmd built with multiple-slurmd support (`slurmd -N`); `check`
+# says in one line what this machine lacks (exit 1), or nothing. `start` on a running cluster starts a node's
+# slurmd that was stopped (a lost node's return), leaving the rest, and its jobs, as they are.
 set -euo pipefail
 
-usage() { echo "usage: $0 start|stop|status [--nodes 1|2]" >&2; exit 2; }
+usage() { echo "usage: $0 start|stop|status|check [--nodes 1|2]" >&2; exit 2; }
 ACTION="${1:-}"
 NODES=1
 [ $# -le 1 ] || { [ $# -eq 3 ] && [ "$2" = --nodes ] || usage; NODES="$3"; }
@@ -180,6 +182,11 @@ start() {
     echo "the local cluster is already running; export SLURM_CONF=$CONF"
     return
   fi
+  if [ "$NODES" -eq 2 ] && alive slurmctld && alive munged; then
+    export SLURM_CONF="$CONF"
+    start_lost_nodes
+    return
+  fi
   stop_daemons
   mkdir -p "$DIR/state" "$DIR/munge"
   chmod 700 "$DIR/munge"
@@ -197,9 +204,22 @@ start() {
     if [ "$NODES" -eq 1 ]; then mkdir -p "$DIR/spool"; else mkdir -p "$DIR/spool-$name"; fi
     start_slurmd "$name" "$i"
   done
-  # Ready when every node accepts jobs (idle); bounded, with the daemons' logs when it does not come up.
+  wait_until_up
+}
+
+start_lost_nodes() {
+  local i=0
+  for name in "${NAMES[@]}"; do
+    i=$((i + 1))
+    alive "$(slurmd_pid "$name")" || start_slurmd "$name" "$i"
+  done
+  wait_until_up
+}
+
+wait_until_up() {
+  # Ready when every node accepts jobs (idle, or running one); bounded, with the daemons' logs when it does not.
   for _ in $(seq 60); do
-    if [ "$(sinfo -h -N -o %t 2>/dev/null | grep -cx idle)" -eq "$NODES" ]; then
+    if [ "$(sinfo -h -N -o %t 2>/dev/null | grep -cE '^(idle|mix|alloc)$')" -eq "$NODES" ]; then
       echo "the local cluster is up (nodes $(IFS=,; echo "${NAMES[*]}"), $(sinfo -h -N -o %c | head -n1) CPUs" \
         "each); export SLURM_CONF=$CONF"
       return
@@ -248,6 +268,7 @@ status() {
 }
 
 case "$ACTION" in
+  check) need_packages && { [ "$NODES" -eq 1 ] || need_namespaces; } ;;
   start) start ;;
   stop) stop ;;
   status) status ;;
