@@ -20,12 +20,14 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import ROOT, TINY, compose_config, logged_tags
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.commands.train import train
 
 pytestmark = pytest.mark.slurm
 DIR = Path(os.environ.get("GPU_LAB_SLURM_2NODES_DIR", "/tmp/gpu-lab-slurm-2nodes"))
 NETNS, VETH = os.environ.get("GPU_LAB_NETNS", "glab-n"), os.environ.get("GPU_LAB_VETH", "glab-v")
+MASTER_PORT = os.environ.get("GPU_LAB_MASTER_PORT", "29700")  # torchrun's, on n1
 NODE_ADDRESS = {"n1": os.environ.get("GPU_LAB_NET", "10.88.0") + ".11"}
 
 
@@ -142,3 +144,167 @@ def test_sbatch_ddp_across_two_nodes(tmp_path, tasks):
     difference = assert_weights_of_one_device(run_dir, tmp_path / "one", *WIDE)
     print(f"\ntwo nodes x {tasks}: hosts {[r['host'] for r in ranks]}, world {world}, steps {steps}, bytes through the")
     print(f"nodes' veths {moved}, largest weight difference to one device {difference:.2e}")
+
+
+# 200 steps an epoch over 2 ranks, 40 epochs, so that a signal or a lost node lands mid-run; momentum: optimizer
+# state to restore. The reference is the same two-node job, uninterrupted: resumes must give its weights bit
+# for bit (one device sums the gradients in another order).
+LONG = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=40", "optimizer.momentum=0.9"]
+LONG += ["optimizer.lr=0.01"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    job = submit(tmp_path, "run", *LONG)
+    wait_until(lambda: state(job) == "", "the uninterrupted two-node job", timeout=400)
+    assert metrics(tmp_path / "run").get("status") == "completed", log(tmp_path, "run")
+    return tmp_path / "run"
+
+
+def loss_steps(run_dir: Path) -> list[int]:
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    return [e.step for e in events.Scalars("train/loss")]
+
+
+def start_if_pending(job: str) -> None:
+    if state(job) == "PENDING":  # a requeued job waits for a begin time about two minutes away: start it now
+        slurm("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+
+
+def assert_resumed_bit_for_bit(run_dir: Path, reference: Path) -> None:
+    resumed, expected = final_weights(run_dir), final_weights(reference)
+    assert [k for k in expected if not torch.equal(resumed[k], expected[k])] == []
+    assert loss_steps(run_dir) == loss_steps(reference)  # each step once in TensorBoard
+
+
+@pytest.mark.parametrize("preemption", ["scontrol requeue", "SIGUSR1"])
+def test_a_preempted_two_node_job_is_requeued_and_resumes_bit_for_bit(tmp_path, uninterrupted, preemption):
+    name = "preempted-" + preemption.split()[-1].lower()
+    run_dir = tmp_path / name
+    job = submit(tmp_path, name, *LONG)
+    wait_until(lambda: "train/loss" in logged_tags(run_dir), "training to start")
+    if preemption == "SIGUSR1":  # as `--signal=USR1@90` does: to the job's steps on both nodes
+        slurm("scancel", "--signal=USR1", job)
+    else:
+        slurm("scontrol", "requeue", job)
+    wait_until(lambda: metrics(run_dir).get("status") == "interrupted" or state(job) == "", "the stop")
+    interrupted = metrics(run_dir)
+    assert interrupted.get("status") == "interrupted" and 0 < interrupted["global_step"] < 8000, log(tmp_path, name)
+    wait_until(lambda: start_if_pending(job) or metrics(run_dir).get("status") == "completed", "the resumed run")
+    wait_until(lambda: state(job) == "", "the job to leave the queue", timeout=60)
+    starts = json.loads((run_dir / "provenance.json").read_text())["starts"]
+    assert [sorted({r["host"] for r in s["ranks"]}) for s in starts] == [["n1", "n2"]] * 2
+    assert_resumed_bit_for_bit(run_dir, uninterrupted)
+
+
+def job_pids(node: int) -> list[int]:
+    """The processes in node `node`'s namespace but its slurmd: the job's (slurmstepd, srun, the ranks)."""
+    slurmd = int((DIR / f"slurmd-n{node}.pid").read_text())
+    pids = subprocess.run(["ip", "netns", "pids", f"{NETNS}{node}"], capture_output=True, text=True, check=True)
+    return [int(pid) for pid in pids.stdout.split() if int(pid) != slurmd]
+
+
+def job_record(job: str) -> dict:
+    line = slurm("scontrol", "show", "job", "-o", job, check=False)
+    return dict(field.split("=", 1) for field in line.split() if "=" in field)
+
+
+def last_epoch_checkpoint(run_dir: Path) -> int:
+    try:
+        return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    except (OSError, RuntimeError, EOFError, KeyError):
+        return 0
+
+
+@pytest.mark.parametrize("loss", ["the job's processes killed", "slurmd stopped"])
+def test_a_lost_node_ends_the_other_rank_and_the_job_resumes_bit_for_bit(tmp_path, uninterrupted, loss):
+    name = "lost-" + loss.split()[-1]
+    run_dir = tmp_path / name
+    job = submit(tmp_path, name, *LONG)
+    wait_until(lambda: last_epoch_checkpoint(run_dir) > 0, "the first epoch's checkpoint")
+    lost_at = time.monotonic()
+    if loss == "slurmd stopped":
+        # The node falls silent: SLURM marks it DOWN (SlurmdTimeout) and requeues the job, ending its step on n1;
+        # the rank there stops, and the rank left on n2 must not hang in a collective.
+        os.kill(int((DIR / "slurmd-n2.pid").read_text()), signal.SIGKILL)
+    else:
+        for pid in job_pids(2):
+            os.kill(pid, signal.SIGKILL)
+    # No rank left: nothing of the job in either namespace, within a bounded time.
+    ended = wait_until(lambda: job_pids(1) == [] and (loss != "slurmd stopped" or job_pids(2) == []), "the end", 120)
+    print(f"\n{loss}: the job's processes on both nodes ended {ended:.1f} s later")
+    if loss == "slurmd stopped":
+        assert script("start").returncode == 0  # the node comes back; the requeued job runs on it
+        assert job_record(job).get("Restarts") == "1"
+        wait_until(lambda: start_if_pending(job) or metrics(run_dir).get("status") == "completed", "the resumed run")
+    else:
+        wait_until(lambda: state(job) in ("", "FAILED", "COMPLETING"), "the job to end")
+        record = job_record(job)
+        assert (record.get("JobState"), record.get("ExitCode", "0:0") != "0:0") == ("FAILED", True), record
+        assert metrics(run_dir).get("status") != "completed"
+        # The same command again, a new job: it resumes from the last epoch's checkpoint.
+        again = submit(tmp_path, name, *LONG)
+        wait_until(lambda: state(again) == "", "the re-submitted job")
+    assert time.monotonic() - lost_at < 400
+    assert metrics(run_dir).get("status") == "completed", log(tmp_path, name)
+    assert_resumed_bit_for_bit(run_dir, uninterrupted)
+
+
+def on_node(node: int, command: list[str]) -> list[str]:
+    """`command` on node `node`, as its slurmd runs jobs: in its network namespace, under its hostname."""
+    net = ["nsenter", f"--net=/run/netns/{NETNS}{node}", "--", "unshare", "--uts", "--"]
+    return [*net, "sh", "-c", f'hostname n{node} && exec "$@"', "sh", *command]
+
+
+def test_torchrun_from_each_node_gives_the_weights_of_one_device(tmp_path):
+    """docs/strategies.md's two-node torchrun command, run on n1 (--node-rank 0, its address as master) and n2."""
+    run_dir, before = tmp_path / "torchrun", veth_bytes()
+    procs = []
+    for node in (1, 2):
+        torchrun = ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node - 1)]
+        torchrun += [
+            "--master-addr",
+            NODE_ADDRESS["n1"],
+            "--master-port",
+            os.environ.get("GPU_LAB_MASTER_PORT", "29700"),
+        ]
+        command = [sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", "trainer.num_nodes=2"]
+        command += ["trainer.accelerator=cpu", *TINY, *WIDE, f"hydra.run.dir={run_dir}"]
+        procs.append(
+            subprocess.Popen(
+                on_node(node, command), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    moved = {node: count - before[node] for node, count in veth_bytes().items()}
+    assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    record = metrics(run_dir)
+    assert (record["status"], record["world_size"], record["num_nodes"]) == ("completed", 2, 2)
+    ranks = json.loads((run_dir / "provenance.json").read_text())["starts"][-1]["ranks"]
+    assert [(r["rank"], r["node_rank"], r["host"], r["interface"]) for r in ranks] == [
+        (0, 0, "n1", "eth0"),
+        (1, 1, "n2", "eth0"),
+    ]
+    assert min(moved.values()) > record["global_step"] * 1025 * 4, moved
+    difference = assert_weights_of_one_device(run_dir, tmp_path / "one", *WIDE)
+    print(f"\ntorchrun on n1 and n2: bytes through the veths {moved}, weight difference to one device {difference:.2e}")
+
+
+def test_a_submitit_sweep_of_two_node_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "train.py", "-m", *TINY, "trainer.accelerator=cpu", "optimizer.lr=0.01,0.02"]
+    command += ["hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"]
+    command += ["trainer.num_nodes=2", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2"]
+    command += [
+        "hydra.launcher.timeout_min=10",
+        f"hydra.launcher.name=submitit-{tmp_path.name}",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = list(csv.DictReader((sweep / "results.csv").open()))
+    assert [(row["status"], row["world_size"], row["num_nodes"]) for row in rows] == [("completed", "2", "2")] * 2
+    for job in ("0", "1"):
+        ranks = json.loads((sweep / job / "provenance.json").read_text())["starts"][-1]["ranks"]
+        assert [r["host"] for r in ranks] == ["n1", "n2"], job

@@ -80,4 +80,3 @@ class RankHosts(Callback):
             torch.distributed.all_gather_object(ranks, me)
         if trainer.is_global_zero:
             self.record(ranks)
-
