@@ -3,7 +3,7 @@
 #
 # Runs Debian's munged, slurmctld and slurmd (SLURM 22.05; `apt-get install slurmctld slurmd slurm-client munge`)
 # as root, with everything they write in one folder of their own: GPU_LAB_SLURM_DIR, default /tmp/gpu-lab-slurm
-# (one node) or /tmp/gpu-lab-slurm-2nodes (two). Clients find the cluster through SLURM_CONF, so after `start`:
+# (ports GPU_LAB_SLURMCTLD_PORT, GPU_LAB_SLURMD_PORT: 6817, 6818). Clients find the cluster through SLURM_CONF, so after `start`:
 #   export SLURM_CONF=/tmp/gpu-lab-slurm/slurm.conf      (start prints this line; the tests set it themselves)
 # No cgroups (ProctrackType=proctrack/linuxproc, TaskPlugin=task/none) and no accounting database, so it runs in
 # a container. `stop` ends the daemons it started and removes the folder. Both are idempotent.
@@ -12,7 +12,9 @@
 # of its own (GPU_LAB_NETNS, default glab-n: glab-n1, glab-n2) with its own hostname (n1, n2), joined to a
 # bridge (GPU_LAB_BRIDGE, default glab-br0, GPU_LAB_NET.1, default 10.88.0.1) by veth pairs (GPU_LAB_VETH,
 # default glab-v: glab-v1, glab-v2 here), at GPU_LAB_NET.11 and .12, named in /etc/hosts by lines tagged
-# "# gpu-lab local_slurm.sh <dir>". Its ports default to 6827 and 6828, so both clusters can run at once.
+# "# gpu-lab local_slurm.sh <dir>". Its folder and ports have variables of their own, so both clusters can run at
+# once: GPU_LAB_2NODES_DIR (default /tmp/gpu-lab-slurm-2nodes), GPU_LAB_2NODES_SLURMCTLD_PORT and
+# GPU_LAB_2NODES_SLURMD_PORT (6827, 6828; each slurmd listens in its own namespace, so they share the port).
 # Needs root, network and UTS namespaces, and a slurmd built with multiple-slurmd support (`slurmd -N`); `check`
 # says in one line what this machine lacks (exit 1), or nothing. `start` on a running cluster starts a node's
 # slurmd that was stopped (a lost node's return), leaving the rest, and its jobs, as they are.
@@ -29,8 +31,8 @@ if [ "$NODES" -eq 1 ]; then
   CTLD_PORT="${GPU_LAB_SLURMCTLD_PORT:-6817}" SLURMD_PORT="${GPU_LAB_SLURMD_PORT:-6818}"
   NAMES=("$(hostname -s)")
 else
-  DIR="${GPU_LAB_SLURM_DIR:-/tmp/gpu-lab-slurm-2nodes}"
-  CTLD_PORT="${GPU_LAB_SLURMCTLD_PORT:-6827}" SLURMD_PORT="${GPU_LAB_SLURMD_PORT:-6828}"
+  DIR="${GPU_LAB_2NODES_DIR:-/tmp/gpu-lab-slurm-2nodes}"
+  CTLD_PORT="${GPU_LAB_2NODES_SLURMCTLD_PORT:-6827}" SLURMD_PORT="${GPU_LAB_2NODES_SLURMD_PORT:-6828}"
   NAMES=(n1 n2)
 fi
 CONF="$DIR/slurm.conf"

@@ -25,14 +25,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from experiments.commands.train import train
 
 pytestmark = pytest.mark.slurm
-DIR = Path(os.environ.get("GPU_LAB_SLURM_2NODES_DIR", "/tmp/gpu-lab-slurm-2nodes"))
+DIR = Path(os.environ.get("GPU_LAB_2NODES_DIR", "/tmp/gpu-lab-slurm-2nodes"))
 NETNS, VETH = os.environ.get("GPU_LAB_NETNS", "glab-n"), os.environ.get("GPU_LAB_VETH", "glab-v")
 MASTER_PORT = os.environ.get("GPU_LAB_MASTER_PORT", "29700")  # torchrun's, on n1
 NODE_ADDRESS = {"n1": os.environ.get("GPU_LAB_NET", "10.88.0") + ".11"}
 
 
 def env() -> dict:
-    return {**os.environ, "SLURM_CONF": str(DIR / "slurm.conf"), "GPU_LAB_SLURM_DIR": str(DIR)}
+    return {**os.environ, "SLURM_CONF": str(DIR / "slurm.conf")}
 
 
 def script(*args: str) -> subprocess.CompletedProcess:
@@ -46,7 +46,7 @@ def cluster():
     if (check := script("check")).returncode != 0:
         reason = check.stderr.strip().removeprefix("error: ")
     elif script("status").returncode != 0:
-        reason = f"no two-node cluster in {DIR} (scripts/local_slurm.sh start --nodes 2, GPU_LAB_SLURM_2NODES_DIR)"
+        reason = f"no two-node cluster in {DIR} (scripts/local_slurm.sh start --nodes 2, GPU_LAB_2NODES_DIR)"
     if reason is not None:
         if os.environ.get("GPU_LAB_REQUIRE_MULTINODE"):
             pytest.fail(f"GPU_LAB_REQUIRE_MULTINODE=1 but {reason}")
