@@ -77,6 +77,9 @@ def _train(cfg: DictConfig, run_dir: Path, writer: bool) -> dict:
     except Interrupted as stop:
         slurm.requeue_after(stop.signum)  # a SLURM pre-emption warning: the job starts again and resumes
         raise
+    except RuntimeError as err:
+        slurm.end_step_after(err)  # a lost node: srun would wait for its tasks until the time limit
+        raise
     return metrics
 
 
