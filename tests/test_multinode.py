@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slurm
 DIR = Path(os.environ.get("GPU_LAB_2NODES_DIR", "/tmp/gpu-lab-slurm-2nodes"))
 NETNS, VETH = os.environ.get("GPU_LAB_NETNS", "glab-n"), os.environ.get("GPU_LAB_VETH", "glab-v")
 MASTER_PORT = os.environ.get("GPU_LAB_MASTER_PORT", "29700")  # torchrun's, on n1
-NODE_ADDRESS = {"n1": os.environ.get("GPU_LAB_NET", "10.88.0") + ".11"}
+N1_ADDRESS = os.environ.get("GPU_LAB_NET", "10.88.0") + ".11"  # torchrun's master
 
 
 def env() -> dict:
@@ -269,7 +269,7 @@ def test_torchrun_from_each_node_gives_the_weights_of_one_device(tmp_path):
         torchrun = ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node - 1)]
         torchrun += [
             "--master-addr",
-            NODE_ADDRESS["n1"],
+            N1_ADDRESS,
             "--master-port",
             os.environ.get("GPU_LAB_MASTER_PORT", "29700"),
         ]
