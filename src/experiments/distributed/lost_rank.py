@@ -88,7 +88,10 @@ class LostRank(L.Callback):
         others = [r for r, rank in enumerate(self.ranks) if rank.get("pid") != me or rank.get("host") != here]
         if address is not None:
             loopback = address.startswith("127.") or address == "::1"
-            at = [r for r in others if address in self.ranks[r]["addresses"] or (loopback and self.ranks[r]["host"] == here)]
+            at = [
+                r for r in others
+                if address in self.ranks[r]["addresses"] or (loopback and self.ranks[r]["host"] == here)
+            ]  # fmt: skip
             others = at or others
         # On this host a lost rank's process is gone; on another, every rank there is a candidate.
         local = [r for r in others if self.ranks[r]["host"] == here]
