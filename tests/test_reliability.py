@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -322,17 +323,35 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_ddp(tmp_path_factory):
+    """The final state of the DDP run of `test_a_killed_ddp_rank_...`, never interrupted, through the CLI."""
+    run_dir = tmp_path_factory.mktemp("ddp") / "run"
+    process = start(run_dir, *KILLED_DDP)
+    assert process.wait(timeout=300) == 0, (run_dir.parent / "run.log").read_text()[-2000:]
+    return final_state(run_dir)
+
+
+# Two ranks, 200 steps an epoch, last.ckpt every 50 steps: killed after step 120, it resumes from step 100.
+KILLED_DDP = ["trainer.devices=2", "checkpoint.every_n_train_steps=50"]
+LOST_LINE = (
+    r"^error: lost rank (\d) of 2 \(pid (\d+) on (\S+)\) at step (\d+): Connection (?:closed|reset) by peer; "
+    r"resume from (\S+) \(step (\d+)\): run the same command again$"
+)
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux's /proc")
 @pytest.mark.parametrize("victim", ["rank 1", "rank 0"])
-def test_a_killed_ddp_rank_ends_the_whole_job(tmp_path, victim):
+def test_a_killed_ddp_rank_ends_the_whole_job_in_one_line_and_resumes_exactly(tmp_path, victim, uninterrupted_ddp):
     run_dir = tmp_path / "run"
-    process = start(run_dir, "trainer.devices=2", "data.num_samples=20000", "trainer.max_epochs=50")
+    process = start(run_dir, *KILLED_DDP)
     ranks = []
     try:
-        wait_for_steps(run_dir, process, steps=5)  # both ranks are training
+        wait_for_steps(run_dir, process, steps=120)  # both ranks are training, last.ckpt holds step 100
         ranks = [process.pid, *descendants(process.pid)]
         assert len(ranks) == 2
-        os.kill(ranks[0] if victim == "rank 0" else ranks[1], signal.SIGKILL)
+        lost = ranks[0] if victim == "rank 0" else ranks[1]
+        os.kill(lost, signal.SIGKILL)
         killed = time.monotonic()
         code = process.wait(timeout=30)
         while any(map(running, ranks)) and time.monotonic() - killed < 30:
@@ -342,8 +361,27 @@ def test_a_killed_ddp_rank_ends_the_whole_job(tmp_path, victim):
         for pid in [process.pid, *ranks]:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert code != 0
     assert left == [], f"processes left behind 30 s after {victim} died"
+    log = (tmp_path / "run.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+    lines = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, log[-3000:]
+    found = re.match(LOST_LINE, lines[0])
+    assert found, lines[0]
+    rank, pid, host, step, checkpoint, saved = found.groups()
+    assert (int(rank), int(pid), host) == (int(victim[-1]), lost, os.uname().nodename)
+    assert int(step) >= 120 and Path(checkpoint) == run_dir / "checkpoints" / "last.ckpt"
+    assert int(saved) == final_state(run_dir)["global_step"] >= 100
+    if victim == "rank 1":  # rank 0 saw it: the run failed, recorded as such
+        assert code == 1
+        assert json.loads((run_dir / "metrics.json").read_text())["status"] == "failed"
+    else:
+        assert code == -signal.SIGKILL
+
+    # The same command in the same dir resumes from that checkpoint and ends as a run never interrupted.
+    resumed = start(run_dir, *KILLED_DDP)
+    assert resumed.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-2000:]
+    assert_bit_identical(final_state(run_dir), uninterrupted_ddp)
 
 
 # ------------------------------------------------------------------------------------------ determinism
