@@ -19,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from experiments.commands.train import train
 from experiments.config.errors import ConfigError
 from experiments.data.loader import BatchLoader
+from experiments.distributed.lost_rank import LostRank
 from experiments.module import Regressor
 from experiments.run.exits import RunFailed
 from experiments.run.files import UMASK, AtomicCheckpointIO, write_atomic
@@ -382,6 +383,26 @@ def test_a_killed_ddp_rank_ends_the_whole_job_in_one_line_and_resumes_exactly(tm
     resumed = start(run_dir, *KILLED_DDP)
     assert resumed.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-2000:]
     assert_bit_identical(final_state(run_dir), uninterrupted_ddp)
+
+
+def test_a_lost_rank_on_another_host_is_named_by_the_address_in_gloos_error(tmp_path):
+    """Three nodes: gloo's error names the lost peer's address, which names its host; on another host
+    both of its ranks are candidates (their processes cannot be looked at from here); any other error is not one."""
+    me = os.uname().nodename
+    lost = LostRank(tmp_path / "last.ckpt")
+    lost.ranks = [
+        {"host": me, "pid": os.getpid(), "addresses": ["10.88.0.11", "127.0.0.1"]},
+        {"host": me, "pid": os.getppid(), "addresses": ["10.88.0.11", "127.0.0.1"]},  # alive: not the lost one
+        {"host": "n2", "pid": 51, "addresses": ["10.88.0.12"]},
+        {"host": "n2", "pid": 52, "addresses": ["10.88.0.12"]},
+        {"host": "n3", "pid": 61, "addresses": ["10.88.0.13"]},
+    ]
+    gloo = "[gloo/transport/tcp/pair.cc:534] Read error [10.88.0.12]:40631: Connection reset by peer"
+    assert str(lost.error(RuntimeError(gloo), step=7)) == (
+        "lost rank 2 of 5 or rank 3 of 5 (pid 51 on n2, pid 52 on n2) at step 7: Connection reset by peer; "
+        "no checkpoint to resume from (none saved yet): the same command starts the run again"
+    )
+    assert lost.error(RuntimeError("some other failure"), step=7) is None
 
 
 # ------------------------------------------------------------------------------------------ determinism

@@ -219,7 +219,7 @@ class TrainRecipe:
         except torch.OutOfMemoryError as err:
             out_of_memory_error = str(err).splitlines()[0]  # the error's frames hold the step's tensors: let them go
         except RuntimeError as err:
-            if (lost := self.lost_rank.error(err, self.trainer)) is not None:
+            if (lost := self.lost_rank.error(err, self.trainer.global_step)) is not None:
                 raise lost from None  # gloo's traceback names an address, not the rank: the line says which
             raise
         except OSError as err:

@@ -29,10 +29,20 @@ def this_process() -> dict:
     """Who this rank is, as the others will name it: host, pid, and the addresses gloo may use for it."""
     host = socket.gethostname()
     try:
-        addresses = sorted({info[4][0] for info in socket.getaddrinfo(host, None)})
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
     except OSError:
-        addresses = []
-    return {"host": host, "pid": os.getpid(), "addresses": addresses}
+        addresses = set()
+    return {"host": host, "pid": os.getpid(), "addresses": sorted(addresses | local_addresses())}
+
+
+def local_addresses() -> set[str]:
+    """This network namespace's own IPv4 addresses (Linux: /proc/net/fib_trie): gloo may bind one that the host
+    name does not resolve to (GLOO_SOCKET_IFNAME)."""
+    try:
+        lines = Path("/proc/net/fib_trie").read_text().splitlines()
+    except OSError:
+        return set()
+    return {lines[i - 1].split()[-1] for i, line in enumerate(lines) if i and line.strip() == "/32 host LOCAL"}
 
 
 def saved_step(checkpoint: Path) -> int | None:
@@ -66,8 +76,8 @@ class LostRank(L.Callback):
         else:
             self.ranks = [me]
 
-    def error(self, err: BaseException, trainer: L.Trainer) -> RunFailed | None:
-        """The one-line error for `err` when it is gloo's for a lost peer; None for any other error."""
+    def error(self, err: BaseException, step: int) -> RunFailed | None:
+        """The one-line error for `err`, met at `step`, when it is gloo's for a lost peer; None for any other error."""
         message = str(err)
         gone = next((words for words in PEER_GONE if words in message), None)
         if gone is None or len(self.ranks) < 2:
@@ -76,11 +86,11 @@ class LostRank(L.Callback):
         lost = self._lost_ranks(found.group(1) if found else None)
         who = " or ".join(f"rank {r} of {len(self.ranks)}" for r in lost) or "a rank"
         where = ", ".join(f"pid {self.ranks[r]['pid']} on {self.ranks[r]['host']}" for r in lost)
-        if (step := saved_step(self.checkpoint)) is not None:
-            resume = f"resume from {self.checkpoint} (step {step}): run the same command again"
+        if (saved := saved_step(self.checkpoint)) is not None:
+            resume = f"resume from {self.checkpoint} (step {saved}): run the same command again"
         else:
             resume = "no checkpoint to resume from (none saved yet): the same command starts the run again"
-        return RunFailed(f"lost {who} ({where or 'unknown'}) at step {trainer.global_step}: {gone}; {resume}")
+        return RunFailed(f"lost {who} ({where or 'unknown'}) at step {step}: {gone}; {resume}")
 
     def _lost_ranks(self, address: str | None) -> list[int]:
         me = os.getpid()
