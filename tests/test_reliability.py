@@ -385,6 +385,33 @@ def test_a_killed_ddp_rank_ends_the_whole_job_in_one_line_and_resumes_exactly(tm
     assert_bit_identical(final_state(run_dir), uninterrupted_ddp)
 
 
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux's /proc")
+def test_a_killed_rank_under_torchrun_is_one_line_of_the_run(tmp_path):
+    """torchrun's agent stops the other worker and prints its own report after the run's line."""
+    run_dir = tmp_path / "run"
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "train.py"]
+    command = [*torchrun, *TINY, *RESUMABLE, *LONG, "logger=csv", *KILLED_DDP, f"hydra.run.dir={run_dir}"]
+    log = open(tmp_path / "run.log", "w")  # noqa: SIM115 (closed with the process)
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    workers = []
+    try:
+        wait_for_steps(run_dir, process, steps=120)
+        workers = descendants(process.pid)
+        environs = {pid: Path(f"/proc/{pid}/environ").read_text().split("\0") for pid in workers}
+        ranks = {int(v[5:]): pid for pid, env in environs.items() for v in env if v.startswith("RANK=")}
+        os.kill(ranks[1], signal.SIGKILL)
+        code = process.wait(timeout=60)
+    finally:
+        for pid in [process.pid, *workers]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code != 0
+    lines = [line for line in (tmp_path / "run.log").read_text().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and re.match(LOST_LINE, lines[0]), lines
+    assert re.match(LOST_LINE, lines[0]).group(2) == str(ranks[1])
+    assert json.loads((run_dir / "metrics.json").read_text())["status"] == "failed"
+
+
 def test_a_lost_rank_on_another_host_is_named_by_the_address_in_gloos_error(tmp_path):
     """Three nodes: gloo's error names the lost peer's address, which names its host; on another host
     both of its ranks are candidates (their processes cannot be looked at from here); any other error is not one."""
