@@ -19,10 +19,8 @@ import sys
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
+from experiments.distributed.lost_rank import PEER_GONE
 from experiments.distributed.ranks import this_rank
-
-# gloo's words for a peer that went away (torch 2.x, gloo's tcp transport).
-PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe")
 
 
 def plugins() -> list:
@@ -46,9 +44,9 @@ def requeue_after(signum: int) -> None:
 
 
 def end_step_after(err: BaseException) -> None:
-    """After gloo's error for a lost peer, in a SLURM step of several tasks: cancel the step. srun then stops
-    waiting for the lost node's tasks after KillWait and exits non-zero, and the job ends FAILED (a node that SLURM
-    itself finds down is requeued, which --requeue asks for)."""
+    """After gloo's error for a lost peer (or distributed.lost_rank's line, which keeps gloo's words), in a SLURM
+    step of several tasks: cancel the step. srun then stops waiting for the lost node's tasks after KillWait and
+    exits non-zero, and the job ends FAILED (a node that SLURM itself finds down is requeued: --requeue)."""
     job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
     if job is None or step is None or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
         return
