@@ -11,6 +11,7 @@ multiple-slurmd support) or the cluster is not running; CI sets GPU_LAB_REQUIRE_
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -198,6 +199,13 @@ def test_a_preempted_two_node_job_is_requeued_and_resumes_bit_for_bit(tmp_path, 
     assert_resumed_bit_for_bit(run_dir, uninterrupted)
 
 
+# distributed.lost_rank's line (docs/failures.md#a-lost-rank).
+LOST_LINE = (
+    r"error: lost rank (?P<rank>\d) of 2 \(pid \d+ on (?P<host>\S+)\) at step \d+: Connection (?:closed|reset) by "
+    r"peer; resume from (?P<checkpoint>\S+) \(step (?P<saved>\d+)\): run the same command again$"
+)
+
+
 def job_pids(node: int) -> list[int]:
     """The processes in node `node`'s namespace but its slurmd: the job's (slurmstepd, srun, the ranks)."""
     slurmd = int((DIR / f"slurmd-n{node}.pid").read_text())
@@ -246,10 +254,20 @@ def test_a_lost_node_ends_the_other_rank_and_the_job_resumes_bit_for_bit(tmp_pat
         wait_until(lambda: state(job) in ("", "FAILED", "COMPLETING"), "the job to end")
         record = job_record(job)
         assert (record.get("JobState"), record.get("ExitCode", "0:0") != "0:0") == ("FAILED", True), record
-        assert metrics(run_dir).get("status") != "completed"
-        # The same command again, a new job: it resumes from the last epoch's checkpoint.
+        assert metrics(run_dir).get("status") == "failed"
+        # The rank on n1 says, in one line instead of gloo's traceback, who was lost, where, and what to resume.
+        said = (tmp_path / f"{name}-{job}.out").read_text()
+        lost = [line for line in said.splitlines() if line.startswith("error: lost rank")]
+        assert len(lost) == 1 and "[rank0]: Traceback" not in said, said[-3000:]
+        found = re.match(LOST_LINE, lost[0])
+        assert found and found["rank"] == "1" and found["host"] == "n2", lost[0]
+        assert found["checkpoint"] == str(run_dir / "checkpoints" / "last.ckpt"), lost[0]
+        print(lost[0])
+        # The same command again, a new job: it resumes from the checkpoint the line named.
         again = submit(tmp_path, name, *LONG)
         wait_until(lambda: state(again) == "", "the re-submitted job")
+        starts = json.loads((run_dir / "provenance.json").read_text())["starts"]
+        assert starts[-1]["resumed_from"]["global_step"] == int(found["saved"])
     assert time.monotonic() - lost_at < 400
     assert metrics(run_dir).get("status") == "completed", log(tmp_path, name)
     assert_resumed_bit_for_bit(run_dir, uninterrupted)
