@@ -4,9 +4,9 @@ Gloo binds each rank to the address its hostname resolves to unless GLOO_SOCKET_
 node whose hostname resolves to 127.0.0.1 (a common /etc/hosts line), the other nodes are then told to connect
 to loopback and the run hangs; with several interfaces, the wrong one may carry the gradients. So the interface
 is the one this host reaches the master address through (the kernel's route, then `ip addr show to` for its
-name), not a fixed name; on the master's own host, the interface holding its address, not loopback. Under SLURM the master
-is the first host of the job's node list (`scontrol show hostnames`), as Lightning's SLURM environment takes it;
-SLURM_LAUNCH_NODE_IPADDR is where srun ran, which need not be a node of the job.
+name), not a fixed name; on the master's own host, the interface holding its address, not loopback. Under SLURM
+the master is the first host of the job's node list (`scontrol show hostnames`), as Lightning's SLURM environment
+takes it; SLURM_LAUNCH_NODE_IPADDR is where srun ran, which need not be a node of the job.
 """
 
 import os
