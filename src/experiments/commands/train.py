@@ -21,9 +21,10 @@ from experiments.commands.outputs import remove_refused_start
 from experiments.config.checks import check_config, check_shapes
 from experiments.config.sizes import FLOAT32, check_device_memory, check_model_memory
 from experiments.dashboard import Dashboard, run_name
-from experiments.distributed import slurm
+from experiments.distributed import nodes, slurm
 from experiments.distributed.launcher import ranks_join_this_job
 from experiments.distributed.lost_rank import LostRank
+from experiments.distributed.nodes import RankHosts
 from experiments.distributed.ranks import end_with_parent, this_rank
 from experiments.log_steps import LogStepProgressBar
 from experiments.module import Regressor
@@ -76,6 +77,9 @@ def _train(cfg: DictConfig, run_dir: Path, writer: bool) -> dict:
         recipe.interruption.raise_if_signalled()
     except Interrupted as stop:
         slurm.requeue_after(stop.signum)  # a SLURM pre-emption warning: the job starts again and resumes
+        raise
+    except RuntimeError as err:
+        slurm.end_step_after(err)  # a lost node: srun would wait for its tasks until the time limit
         raise
     return metrics
 
@@ -173,6 +177,12 @@ class TrainRecipe:
         self.origin_entry = provenance.record_start(self.paths, entry, diff, resumed_from)
         self.last_checkpoint.describe_origin(self.origin_entry)
 
+    def _record_ranks(self, ranks: list[dict]) -> None:
+        provenance.record_ranks(self.paths, ranks)
+        if self.origin_entry is not None:  # the checkpoint's copy of the entry names them too
+            self.origin_entry = {**self.origin_entry, "ranks": ranks}
+            self.last_checkpoint.describe_origin(self.origin_entry)
+
     def _trainer(self) -> L.Trainer:
         cfg = self.cfg
         # Curves restart where the checkpoint does, when the run resumes in its own dir; from step 0 when an earlier
@@ -190,7 +200,8 @@ class TrainRecipe:
             name = logger_options["version"] = cfg.logger.version or name
         logger = instantiate(cfg.logger, save_dir=str(self.paths.root), **logger_options) if cfg.logger else False
         self.dashboard = Dashboard(cfg, swept, trial_id="/".join(filter(None, [self.paths.root.name, name])))
-        callbacks = [self.target, self.perf, self.interruption, self.lost_rank]
+        nodes.choose_interface()  # before the ranks meet: the master address and the interface towards it
+        callbacks = [self.target, self.perf, self.interruption, self.lost_rank, RankHosts(self._record_ranks)]
         callbacks += configured_callbacks(cfg, self.paths.root)
         callbacks.append(self.last_checkpoint)  # a Checkpoint: Lightning runs it after the others
         if cfg.trainer.enable_progress_bar:
