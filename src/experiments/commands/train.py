@@ -177,12 +177,6 @@ class TrainRecipe:
         self.origin_entry = provenance.record_start(self.paths, entry, diff, resumed_from)
         self.last_checkpoint.describe_origin(self.origin_entry)
 
-    def _record_ranks(self, ranks: list[dict]) -> None:
-        provenance.record_ranks(self.paths, ranks)
-        if self.origin_entry is not None:  # the checkpoint's copy of the entry names them too
-            self.origin_entry = {**self.origin_entry, "ranks": ranks}
-            self.last_checkpoint.describe_origin(self.origin_entry)
-
     def _trainer(self) -> L.Trainer:
         cfg = self.cfg
         # Curves restart where the checkpoint does, when the run resumes in its own dir; from step 0 when an earlier
@@ -201,7 +195,8 @@ class TrainRecipe:
         logger = instantiate(cfg.logger, save_dir=str(self.paths.root), **logger_options) if cfg.logger else False
         self.dashboard = Dashboard(cfg, swept, trial_id="/".join(filter(None, [self.paths.root.name, name])))
         nodes.choose_interface()  # before the ranks meet: the master address and the interface towards it
-        callbacks = [self.target, self.perf, self.interruption, self.lost_rank, RankHosts(self._record_ranks)]
+        rank_hosts = RankHosts(self.paths, self.last_checkpoint, self.lost_rank)
+        callbacks = [self.target, self.perf, self.interruption, rank_hosts]
         callbacks += configured_callbacks(cfg, self.paths.root)
         callbacks.append(self.last_checkpoint)  # a Checkpoint: Lightning runs it after the others
         if cfg.trainer.enable_progress_bar:

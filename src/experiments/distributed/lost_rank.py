@@ -2,8 +2,8 @@
 
 When a rank dies (SIGKILL, the out-of-memory killer, a lost node), gloo raises in every other rank at its next
 collective: "Connection closed by peer" or "Connection reset by peer", naming the peer's address, not its rank.
-So each rank's host, addresses and pid are exchanged once, when training starts (`LostRank.setup`, one
-all_gather beside the set-up, none in the steps), and the address in gloo's error is matched against them; on
+So each rank's host, addresses and pid are exchanged once, when training starts (distributed.nodes.RankHosts,
+one all_gather beside the set-up, none in the steps), and the address in gloo's error is matched against them; on
 this host, the rank whose process is gone is the lost one. The line's wording is stable (docs/failures.md):
 
     error: lost rank 1 of 2 (pid 4711 on node07) at step 57: Connection reset by peer; resume from
@@ -15,7 +15,6 @@ import re
 import socket
 from pathlib import Path
 
-import lightning as L
 import torch
 
 from experiments.run.exits import RunFailed
@@ -61,20 +60,13 @@ def alive(pid: int) -> bool:
         return False
 
 
-class LostRank(L.Callback):
-    """Knows every rank (exchanged at `setup`) and turns gloo's error for a lost peer into a `RunFailed` line."""
+class LostRank:
+    """Turns gloo's error for a lost peer into a `RunFailed` line, naming the rank from `ranks` (every rank's host,
+    pid and addresses, exchanged once when training starts: experiments.distributed.nodes.RankHosts)."""
 
     def __init__(self, checkpoint: Path):
         self.checkpoint = Path(checkpoint)
         self.ranks: list[dict] = []
-
-    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
-        me = this_process()
-        if trainer.world_size > 1 and torch.distributed.is_available() and torch.distributed.is_initialized():
-            self.ranks = [{}] * trainer.world_size
-            torch.distributed.all_gather_object(self.ranks, me)
-        else:
-            self.ranks = [me]
 
     def error(self, err: BaseException, step: int) -> RunFailed | None:
         """The one-line error for `err`, met at `step`, when it is gloo's for a lost peer; None for any other error."""

@@ -9,12 +9,18 @@ the master is the first host of the job's node list (`scontrol show hostnames`),
 takes it; SLURM_LAUNCH_NODE_IPADDR is where srun ran, which need not be a node of the job.
 """
 
+import ipaddress
 import os
 import socket
 import subprocess
 
 import torch
 from lightning.pytorch.callbacks import Callback
+
+from experiments.distributed.lost_rank import LostRank, this_process
+from experiments.run import provenance
+from experiments.run.last_checkpoint import LastCheckpoint
+from experiments.run.layout import RunPaths
 
 
 def _run(*command: str) -> str:
@@ -50,12 +56,19 @@ def interface_to(address: str) -> str | None:
     return None
 
 
+def _loopback(address: str) -> bool:
+    try:
+        return ipaddress.ip_address(socket.gethostbyname(address)).is_loopback
+    except (OSError, ValueError):
+        return False
+
+
 def choose_interface() -> str | None:
     """Before the process group exists: MASTER_ADDR from the node list under SLURM, GLOO_SOCKET_IFNAME from the
     route to it, each unless already set. Returns the interface gloo will use (None: gloo's own choice)."""
     address = master_address()
-    if address is None:
-        return os.environ.get("GLOO_SOCKET_IFNAME")
+    if address is None or ("MASTER_ADDR" in os.environ and _loopback(address)):
+        return os.environ.get("GLOO_SOCKET_IFNAME")  # one host (Lightning's own launcher): gloo's choice, on every rank
     os.environ.setdefault("MASTER_ADDR", address)
     if "GLOO_SOCKET_IFNAME" not in os.environ and (interface := interface_to(address)) is not None:
         os.environ["GLOO_SOCKET_IFNAME"] = interface
@@ -63,21 +76,29 @@ def choose_interface() -> str | None:
 
 
 class RankHosts(Callback):
-    """Once the ranks have met: every rank's host, node rank and interface, in the start's provenance entry."""
+    """Once the ranks have met, in one all_gather beside the set-up (none in the steps): every rank's host, node
+    rank, interface, pid and addresses. The writing rank records host, node rank and interface in the start's
+    provenance entry and the checkpoint's copy of it; every rank hands the whole list to `lost_rank`, which names
+    a lost rank from it (experiments.distributed.lost_rank). No bound method of the recipe: ddp_spawn pickles the
+    callbacks."""
 
-    def __init__(self, record) -> None:
-        self.record = record  # called on the writing rank with the list of ranks
+    def __init__(self, paths: RunPaths, last_checkpoint: LastCheckpoint, lost_rank: LostRank) -> None:
+        self.paths, self.last_checkpoint, self.lost_rank = paths, last_checkpoint, lost_rank
 
     def setup(self, trainer, pl_module, stage: str) -> None:
         me = {
             "rank": trainer.global_rank,
             "node_rank": trainer.node_rank,
-            "host": socket.gethostname(),
             "interface": os.environ.get("GLOO_SOCKET_IFNAME"),
+            **this_process(),
         }
         ranks = [me]
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             ranks = [None] * torch.distributed.get_world_size()
             torch.distributed.all_gather_object(ranks, me)
+        self.lost_rank.ranks = ranks
         if trainer.is_global_zero:
-            self.record(ranks)
+            named = [{key: rank[key] for key in ("rank", "node_rank", "host", "interface")} for rank in ranks]
+            provenance.record_ranks(self.paths, named)
+            if (origin := self.last_checkpoint.record.get("provenance")) is not None:
+                self.last_checkpoint.describe_origin({**origin, "ranks": named})  # the checkpoint names them too
