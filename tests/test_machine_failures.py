@@ -77,15 +77,20 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_epoch_bit_for_bit(tmp_p
     assert at["loops"] and at["epoch"] >= 1
 
     # A write cut short by SIGKILL (here: of last.ckpt itself) leaves its temporary file, and last.ckpt whole.
+    # (The kill above may have cut a save of its own: its temporary file is there already, and goes the same way.)
+    def strays() -> set[Path]:
+        return {p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")}
+
+    before = strays()
     cut = "import os, sys\nfrom experiments.run.files import replacing\nwith replacing(sys.argv[1]) as tmp:\n"
     cut += "    tmp.write_bytes(b'half a checkpoint')\n    os.kill(os.getpid(), 9)\n"
     subprocess.run([sys.executable, "-c", cut, str(run_dir / "checkpoints" / "last.ckpt")], cwd=ROOT)
-    [stray] = [p for p in (run_dir / "checkpoints").iterdir() if p.name.endswith(".tmp")]
+    [stray] = strays() - before
     assert saved(run_dir)["global_step"] == at["global_step"]
 
     again = cli(*LONG, f"hydra.run.dir={run_dir}")  # the same command
     assert again.returncode == 0, again.stderr[-3000:]
-    assert not stray.exists()  # removed at the start, under the dir's lock
+    assert not stray.exists() and strays() == set()  # removed at the start, under the dir's lock
     assert "note: resuming" not in again.stderr  # the same code: nothing to say
     assert json.loads((run_dir / "metrics.json").read_text())["status"] == "completed"
     resumed, uninterrupted = weights(run_dir), weights(reference)
@@ -402,3 +407,31 @@ def test_a_full_disk_under_results_csv_stops_the_sweep_with_one_line(tmp_path, t
     assert f"no space left on device writing {sweep / 'results.csv'}: " in error
     assert "and no file entries (inodes) left" in error and "Traceback" not in full.stderr
     assert json.loads((sweep / "0" / "metrics.json").read_text())["status"] == "completed"
+
+
+# ------------------------------------------------------------------------------------------ a read-only run dir
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["train.py", "hydra.run.dir={dir}"],
+        ["train.py", "-m", "seed=1,2", "hydra.sweep.dir={dir}"],
+        ["eval.py", "ckpt_path=none.ckpt", "hydra.run.dir={dir}"],
+        ["predict.py", "ckpt_path=none.ckpt", "data.path=none.csv", "hydra.run.dir={dir}"],
+    ],
+    ids=["run", "sweep", "eval", "predict"],
+)
+def test_a_run_dir_on_a_read_only_file_system_is_one_line_exit_2_nothing_written(tmp_path, tmpfs, command):
+    disk = tmpfs(1 << 20)  # a real mount, read-only: root's permissions do not pass it (chmod would not stop root)
+    subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True, capture_output=True)
+    target = disk / "outputs" / "run"
+    args = [a.format(dir=target) for a in command]
+    setting = "hydra.sweep.dir" if "-m" in args else "hydra.run.dir"
+    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip().splitlines() == [
+        f"error: {setting}={target} cannot be written: {disk} is on a read-only file system; allowed: a dir this "
+        f"node can write, e.g. {setting}=<a dir on a writable file system>"
+    ]
+    assert list(disk.iterdir()) == []

@@ -3,6 +3,7 @@
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from experiments.commands.train import train
 from experiments.config.errors import ConfigError
 from experiments.data.loader import BatchLoader
+from experiments.distributed.lost_rank import LostRank
 from experiments.module import Regressor
 from experiments.run.exits import RunFailed
 from experiments.run.files import UMASK, AtomicCheckpointIO, write_atomic
@@ -322,17 +324,35 @@ def running(pid: int) -> bool:
         return False
 
 
+@pytest.fixture(scope="module")
+def uninterrupted_ddp(tmp_path_factory):
+    """The final state of the DDP run of `test_a_killed_ddp_rank_...`, never interrupted, through the CLI."""
+    run_dir = tmp_path_factory.mktemp("ddp") / "run"
+    process = start(run_dir, *KILLED_DDP)
+    assert process.wait(timeout=300) == 0, (run_dir.parent / "run.log").read_text()[-2000:]
+    return final_state(run_dir)
+
+
+# Two ranks, 200 steps an epoch, last.ckpt every 50 steps: killed after step 120, it resumes from step 100.
+KILLED_DDP = ["trainer.devices=2", "checkpoint.every_n_train_steps=50"]
+LOST_LINE = (
+    r"^error: lost rank (\d) of 2 \(pid (\d+) on (\S+)\) at step (\d+): Connection (?:closed|reset) by peer; "
+    r"resume from (\S+) \(step (\d+)\): run the same command again$"
+)
+
+
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux's /proc")
 @pytest.mark.parametrize("victim", ["rank 1", "rank 0"])
-def test_a_killed_ddp_rank_ends_the_whole_job(tmp_path, victim):
+def test_a_killed_ddp_rank_ends_the_whole_job_in_one_line_and_resumes_exactly(tmp_path, victim, uninterrupted_ddp):
     run_dir = tmp_path / "run"
-    process = start(run_dir, "trainer.devices=2", "data.num_samples=20000", "trainer.max_epochs=50")
+    process = start(run_dir, *KILLED_DDP)
     ranks = []
     try:
-        wait_for_steps(run_dir, process, steps=5)  # both ranks are training
+        wait_for_steps(run_dir, process, steps=120)  # both ranks are training, last.ckpt holds step 100
         ranks = [process.pid, *descendants(process.pid)]
         assert len(ranks) == 2
-        os.kill(ranks[0] if victim == "rank 0" else ranks[1], signal.SIGKILL)
+        lost = ranks[0] if victim == "rank 0" else ranks[1]
+        os.kill(lost, signal.SIGKILL)
         killed = time.monotonic()
         code = process.wait(timeout=30)
         while any(map(running, ranks)) and time.monotonic() - killed < 30:
@@ -342,8 +362,74 @@ def test_a_killed_ddp_rank_ends_the_whole_job(tmp_path, victim):
         for pid in [process.pid, *ranks]:
             if running(pid):
                 os.kill(pid, signal.SIGKILL)
-    assert code != 0
     assert left == [], f"processes left behind 30 s after {victim} died"
+    log = (tmp_path / "run.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+    lines = [line for line in log.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, log[-3000:]
+    found = re.match(LOST_LINE, lines[0])
+    assert found, lines[0]
+    rank, pid, host, step, checkpoint, saved = found.groups()
+    assert (int(rank), int(pid), host) == (int(victim[-1]), lost, os.uname().nodename)
+    assert int(step) >= 120 and Path(checkpoint) == run_dir / "checkpoints" / "last.ckpt"
+    assert int(saved) == final_state(run_dir)["global_step"] >= 100
+    if victim == "rank 1":  # rank 0 saw it: the run failed, recorded as such
+        assert code == 1
+        assert json.loads((run_dir / "metrics.json").read_text())["status"] == "failed"
+    else:
+        assert code == -signal.SIGKILL
+
+    # The same command in the same dir resumes from that checkpoint and ends as a run never interrupted.
+    resumed = start(run_dir, *KILLED_DDP)
+    assert resumed.wait(timeout=300) == 0, (tmp_path / "run.log").read_text()[-2000:]
+    assert_bit_identical(final_state(run_dir), uninterrupted_ddp)
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux's /proc")
+def test_a_killed_rank_under_torchrun_is_one_line_of_the_run(tmp_path):
+    """torchrun's agent stops the other worker and prints its own report after the run's line."""
+    run_dir = tmp_path / "run"
+    torchrun = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2", "train.py"]
+    command = [*torchrun, *TINY, *RESUMABLE, *LONG, "logger=csv", *KILLED_DDP, f"hydra.run.dir={run_dir}"]
+    log = open(tmp_path / "run.log", "w")  # noqa: SIM115 (closed with the process)
+    process = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    workers = []
+    try:
+        wait_for_steps(run_dir, process, steps=120)
+        workers = descendants(process.pid)
+        environs = {pid: Path(f"/proc/{pid}/environ").read_text().split("\0") for pid in workers}
+        ranks = {int(v[5:]): pid for pid, env in environs.items() for v in env if v.startswith("RANK=")}
+        os.kill(ranks[1], signal.SIGKILL)
+        code = process.wait(timeout=60)
+    finally:
+        for pid in [process.pid, *workers]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+    assert code != 0
+    lines = [line for line in (tmp_path / "run.log").read_text().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1 and re.match(LOST_LINE, lines[0]), lines
+    assert re.match(LOST_LINE, lines[0]).group(2) == str(ranks[1])
+    assert json.loads((run_dir / "metrics.json").read_text())["status"] == "failed"
+
+
+def test_a_lost_rank_on_another_host_is_named_by_the_address_in_gloos_error(tmp_path):
+    """Three nodes: gloo's error names the lost peer's address, which names its host; on another host
+    both of its ranks are candidates (their processes cannot be looked at from here); any other error is not one."""
+    me = os.uname().nodename
+    lost = LostRank(tmp_path / "last.ckpt")
+    lost.ranks = [
+        {"host": me, "pid": os.getpid(), "addresses": ["10.88.0.11", "127.0.0.1"]},
+        {"host": me, "pid": os.getppid(), "addresses": ["10.88.0.11", "127.0.0.1"]},  # alive: not the lost one
+        {"host": "n2", "pid": 51, "addresses": ["10.88.0.12"]},
+        {"host": "n2", "pid": 52, "addresses": ["10.88.0.12"]},
+        {"host": "n3", "pid": 61, "addresses": ["10.88.0.13"]},
+    ]
+    gloo = "[gloo/transport/tcp/pair.cc:534] Read error [10.88.0.12]:40631: Connection reset by peer"
+    assert str(lost.error(RuntimeError(gloo), step=7)) == (
+        "lost rank 2 of 5 or rank 3 of 5 (pid 51 on n2, pid 52 on n2) at step 7: Connection reset by peer; "
+        "no checkpoint to resume from (none saved yet): the same command starts the run again"
+    )
+    assert lost.error(RuntimeError("some other failure"), step=7) is None
 
 
 # Windows of 25 steps under DDP (experiments.windows): the ranks agree on a signal's stop once a window, at its end.

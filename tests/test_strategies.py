@@ -218,6 +218,11 @@ def test_ddp_runs_record_their_ranks(runs, name, strategy, world_size, num_nodes
     record = metrics(runs[name])
     assert (record["status"], record["world_size"], record["num_nodes"]) == ("completed", world_size, num_nodes)
     assert record["strategy"] == strategy
+    # Every rank's host in provenance; on one host each rank leaves gloo's interface to gloo, the same on all.
+    ranks = json.loads((runs[name] / "provenance.json").read_text())["starts"][-1]["ranks"]
+    assert [r["rank"] for r in ranks] == list(range(world_size))
+    assert sorted({r["node_rank"] for r in ranks}) == list(range(num_nodes))
+    assert {(r["host"], r["interface"]) for r in ranks} == {(socket.gethostname(), None)}
 
 
 @pytest.mark.parametrize("name", ["ddp_256", "ddp_64x4", "torchrun_2x1_64_w7"])

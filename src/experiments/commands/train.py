@@ -21,8 +21,10 @@ from experiments.commands.outputs import remove_refused_start
 from experiments.config.checks import check_config, check_shapes
 from experiments.config.sizes import FLOAT32, check_device_memory, check_model_memory
 from experiments.dashboard import Dashboard, run_name
-from experiments.distributed import slurm
+from experiments.distributed import nodes, slurm
 from experiments.distributed.launcher import ranks_join_this_job
+from experiments.distributed.lost_rank import LostRank
+from experiments.distributed.nodes import RankHosts
 from experiments.distributed.ranks import end_with_parent, this_rank
 from experiments.log_steps import LogStepProgressBar
 from experiments.module import Regressor
@@ -76,6 +78,9 @@ def _train(cfg: DictConfig, run_dir: Path, writer: bool) -> dict:
     except Interrupted as stop:
         slurm.requeue_after(stop.signum)  # a SLURM pre-emption warning: the job starts again and resumes
         raise
+    except RuntimeError as err:
+        slurm.end_step_after(err)  # a lost node: srun would wait for its tasks until the time limit
+        raise
     return metrics
 
 
@@ -114,6 +119,8 @@ class TrainRecipe:
         self.interruption = Interruption(str(self.paths.last_checkpoint))
         # And every epoch's end (checkpoint.*), so that a hard kill loses at most that interval.
         self.last_checkpoint = LastCheckpoint(self.paths.last_checkpoint, cfg, **cfg.get("checkpoint", {}))
+        # A rank that dies mid-run: one line naming it, the step and the checkpoint to resume from.
+        self.lost_rank = LostRank(self.paths.last_checkpoint)
 
     def setup(self) -> None:
         cfg = self.cfg
@@ -187,7 +194,9 @@ class TrainRecipe:
             name = logger_options["version"] = cfg.logger.version or name
         logger = instantiate(cfg.logger, save_dir=str(self.paths.root), **logger_options) if cfg.logger else False
         self.dashboard = Dashboard(cfg, swept, trial_id="/".join(filter(None, [self.paths.root.name, name])))
-        callbacks = [self.target, self.perf, self.interruption]
+        nodes.choose_interface()  # before the ranks meet: the master address and the interface towards it
+        rank_hosts = RankHosts(self.paths, self.last_checkpoint, self.lost_rank)
+        callbacks = [self.target, self.perf, self.interruption, rank_hosts]
         callbacks += configured_callbacks(cfg, self.paths.root)
         callbacks.append(self.last_checkpoint)  # a Checkpoint: Lightning runs it after the others
         if cfg.trainer.enable_progress_bar:
@@ -215,6 +224,10 @@ class TrainRecipe:
             raise
         except torch.OutOfMemoryError as err:
             out_of_memory_error = str(err).splitlines()[0]  # the error's frames hold the step's tensors: let them go
+        except RuntimeError as err:
+            if (lost := self.lost_rank.error(err, self.trainer.global_step)) is not None:
+                raise lost from None  # gloo's traceback names an address, not the rank: the line says which
+            raise
         except OSError as err:
             if is_out_of_space(err):  # TensorBoard's event file: the other writes raise OutOfSpace themselves
                 raise OutOfSpace(self._file_of(err)) from None

@@ -63,6 +63,9 @@ def end_with_parent() -> None:
     def watch() -> None:
         while os.getppid() == parent:
             time.sleep(1.0)
+        # gloo's error ends this rank by itself, with a line naming the lost rank (distributed.lost_rank): give it
+        # the time to say so before ending a rank that NCCL leaves waiting.
+        time.sleep(3.0)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="end-with-parent", daemon=True).start()

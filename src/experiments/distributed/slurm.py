@@ -6,6 +6,10 @@ next optimizer-step boundary, save the exact position), and once the run has wri
 SLURM to requeue the job (`requeue_after`). The requeued job keeps its SLURM_JOB_ID, so scripts/slurm.sbatch
 starts it in the same run dir and `experiments.run.state` resumes it. `scontrol requeue` sends SIGTERM itself: a
 SIGTERM is a stop, and the requeue (if any) is SLURM's.
+
+A rank that lost a peer ends its job step (`end_step_after`): srun waits for every task's exit from its node's
+slurmstepd, and a node whose processes died (or that died) never sends it, so the job would wait out its time
+limit with no rank left.
 """
 
 import os
@@ -15,6 +19,7 @@ import sys
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
+from experiments.distributed.lost_rank import PEER_GONE
 from experiments.distributed.ranks import this_rank
 
 
@@ -36,3 +41,18 @@ def requeue_after(signum: int) -> None:
     done = subprocess.run(["scontrol", "requeue", job], capture_output=True, text=True)
     state = "requeued" if done.returncode == 0 else f"could not requeue ({done.stderr.strip()})"
     print(f"SLURM job {job} {state}", file=sys.stderr)
+
+
+def end_step_after(err: BaseException) -> None:
+    """After gloo's error for a lost peer (or distributed.lost_rank's line, which keeps gloo's words), in a SLURM
+    step of several tasks: cancel the step. srun then stops waiting for the lost node's tasks after KillWait and
+    exits non-zero, and the job ends FAILED (a node that SLURM itself finds down is requeued: --requeue)."""
+    job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
+    if job is None or step is None or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
+        return
+    if not any(words in str(err) for words in PEER_GONE):
+        return
+    try:
+        subprocess.run(["scancel", "--quiet", f"{job}.{step}"], capture_output=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):
+        pass  # no scancel here: the job waits for its time limit, as without this

@@ -4,6 +4,7 @@ import signal
 from contextlib import AbstractContextManager
 
 import lightning as L
+import torch
 from lightning.pytorch.callbacks import Callback
 
 from experiments import internals
@@ -29,12 +30,13 @@ class Interruption(Callback):
     and Lightning's loops know how to resume mid-epoch; the data loader's position travels in the
     checkpoint too (`BatchLoader.state_dict`).
 
-    Ranks agree on the step to stop at through one small all-reduce a window (experiments.windows: the hook
-    runs once a window), only when there is more than one rank: a signal reaches one rank (`kill` of the
-    launching process) or all of them at slightly different times (Ctrl-C), and `save_checkpoint` is a
-    collective that every rank must enter. With one rank the module ends its window at the next optimizer step
-    (experiments.module); with several every rank runs its window to the end, the same optimizer step on each,
-    so a stop waits at most one window (to the next log step: `trainer.log_every_n_steps` steps).
+    Ranks agree on the step to stop at, and on the signal, through one small all-reduce a window
+    (experiments.windows: the hook runs once a window), only when there is more than one rank: a signal reaches
+    one rank (`kill` of the launching process) or all of them at slightly different times (Ctrl-C), and
+    `save_checkpoint` is a collective that every rank must enter. With one rank the module ends its window at the
+    next optimizer step (experiments.module); with several every rank runs its window to the end, the same
+    optimizer step on each, so a stop waits at most one window (to the next log step: `trainer.log_every_n_steps`
+    steps).
     """
 
     def __init__(self, checkpoint: str):
@@ -62,18 +64,26 @@ class Interruption(Callback):
         self._stop_if_asked(trainer)  # a signal during the last validation
         self.phase = "finished"
 
+    def _agree(self, trainer: L.Trainer) -> None:
+        """Every rank takes the signal any rank got, SIGUSR1 first: a SLURM warning reaches each node's ranks at
+        its own time, and rank 0, which asks SLURM for the requeue (`slurm.requeue_after`), may stop on another
+        rank's SIGUSR1 before its own arrives."""
+        seen = torch.tensor([self.signum or 0, self.signum == signal.SIGUSR1], device=trainer.strategy.root_device)
+        seen = trainer.strategy.reduce(seen, reduce_op="max")
+        if seen[0] > 0:
+            self.signum = signal.SIGUSR1 if seen[1] else int(seen[0])
+
     def _stop_if_asked(self, trainer: L.Trainer, mid_step: bool = False) -> None:
-        stop = self.signum is not None
         if trainer.world_size > 1:
-            stop = trainer.strategy.reduce_boolean_decision(stop, all=False)
-        if stop:
+            self._agree(trainer)
+        if self.signum is not None:
             self.phase = "finished"
             if mid_step:
                 # Lightning writes this step's logged metrics only after this hook: write them now, or the step
                 # would be missing from the curves of the resumed run (it starts at the next step).
                 internals.write_step_metrics_now(trainer)
             trainer.save_checkpoint(self.checkpoint, weights_only=False)
-            raise Interrupted(self.signum or signal.SIGTERM, self.checkpoint)
+            raise Interrupted(self.signum, self.checkpoint)
 
     def raise_if_signalled(self) -> None:
         """After the run's records are written: a signal that came after training ends the command now."""

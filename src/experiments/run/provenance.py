@@ -180,6 +180,15 @@ def record_start(paths: RunPaths, entry: dict, diff: str | None, resumed_from: d
     return entry
 
 
+def record_ranks(paths: RunPaths, ranks: list[dict]) -> None:
+    """Every rank's host, node rank and gloo interface, in this start's entry (known once the ranks have met)."""
+    if not paths.provenance.exists():  # the start's entry could not be collected
+        return
+    starts = json.loads(paths.provenance.read_text())["starts"]
+    starts[-1]["ranks"] = ranks
+    write_atomic(paths.provenance, json.dumps({"starts": starts}, indent=2) + "\n")
+
+
 def _describe(found: dict) -> str:
     if not found or found.get("commit") is None:
         return "unrecorded code"

@@ -1,0 +1,332 @@
+"""Beyond one machine: a real two-node SLURM cluster (scripts/local_slurm.sh start --nodes 2: two slurmd, each in a
+network and UTS namespace of its own, on a bridge). DDP across the nodes through sbatch (1 and 2 tasks a node),
+with the gradients' bytes on the nodes' interfaces; pre-emption and requeue across nodes; a lost node (its job's
+processes killed, or its slurmd stopped) ending the other rank and resuming; torchrun from each node; a sweep of
+two-node jobs.
+
+Skipped, with the script's one line, where the machine cannot hold two nodes (not root, no namespaces, no
+multiple-slurmd support) or the cluster is not running; CI sets GPU_LAB_REQUIRE_MULTINODE=1, so a skip fails there.
+"""
+
+import csv
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import ROOT, TINY, compose_config, logged_tags
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from experiments.commands.train import train
+
+pytestmark = pytest.mark.slurm
+DIR = Path(os.environ.get("GPU_LAB_2NODES_DIR", "/tmp/gpu-lab-slurm-2nodes"))
+NETNS, VETH = os.environ.get("GPU_LAB_NETNS", "glab-n"), os.environ.get("GPU_LAB_VETH", "glab-v")
+MASTER_PORT = os.environ.get("GPU_LAB_MASTER_PORT", "29700")  # torchrun's, on n1
+N1_ADDRESS = os.environ.get("GPU_LAB_NET", "10.88.0") + ".11"  # torchrun's master
+
+
+def env() -> dict:
+    return {**os.environ, "SLURM_CONF": str(DIR / "slurm.conf")}
+
+
+def script(*args: str) -> subprocess.CompletedProcess:
+    command = ["scripts/local_slurm.sh", *args, "--nodes", "2"]
+    return subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def cluster():
+    reason = None
+    if (check := script("check")).returncode != 0:
+        reason = check.stderr.strip().removeprefix("error: ")
+    elif script("status").returncode != 0:
+        reason = f"no two-node cluster in {DIR} (scripts/local_slurm.sh start --nodes 2, GPU_LAB_2NODES_DIR)"
+    if reason is not None:
+        if os.environ.get("GPU_LAB_REQUIRE_MULTINODE"):
+            pytest.fail(f"GPU_LAB_REQUIRE_MULTINODE=1 but {reason}")
+        pytest.skip(reason)
+
+
+def slurm(*command: str, check: bool = True) -> str:
+    done = subprocess.run(command, env=env(), capture_output=True, text=True, timeout=60, check=check)
+    return done.stdout.strip()
+
+
+def submit(tmp_path: Path, name: str, *args: str, nodes: int = 2, tasks: int = 1) -> str:
+    command = ["sbatch", "--parsable", f"--job-name={name}", f"--output={tmp_path}/{name}-%j.out"]
+    command += [f"--nodes={nodes}", f"--ntasks-per-node={tasks}", "scripts/slurm.sbatch", "trainer.accelerator=cpu"]
+    command += [*TINY, *args, f"hydra.run.dir={tmp_path / name}"]
+    done = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=60, check=True)
+    return done.stdout.strip().split(";")[0]
+
+
+def state(job: str) -> str:
+    return slurm("squeue", "-h", "-j", job, "-o", "%T", check=False)  # "" once the job has left the queue
+
+
+def wait_until(condition, what: str, timeout: float = 240) -> float:
+    """Seconds until `condition` held."""
+    started = time.monotonic()
+    while not condition():
+        assert time.monotonic() - started < timeout, f"{what}: not after {timeout} s"
+        time.sleep(0.25)
+    return time.monotonic() - started
+
+
+def metrics(run_dir: Path) -> dict:
+    try:
+        return json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def final_weights(run_dir: Path) -> dict:
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    return {**checkpoint["state_dict"], "global_step": torch.tensor(checkpoint["global_step"])}
+
+
+def assert_weights_of_one_device(run_dir: Path, one_dir: Path, *args: str) -> float:
+    """Within 1e-5 of the largest weight (sums over 1024 features in another order differ in the last float
+    bits: elementwise, a weight near 0 may differ by more than 1e-5 of itself). Returns the largest difference."""
+    train(compose_config(*args), one_dir)
+    got, one = final_weights(run_dir), final_weights(one_dir)
+    worst = 0.0
+    for name, tensor in one.items():
+        difference = (got[name].double() - tensor.double()).abs().max().item()
+        assert difference <= 1e-5 * tensor.double().abs().max().item(), (name, difference)
+        worst = max(worst, difference)
+    return worst
+
+
+def veth_bytes() -> dict[str, int]:
+    """Bytes through each node's veth, counted on the host's side: what left and entered that node."""
+    counts = {}
+    for i in (1, 2):
+        stats = Path(f"/sys/class/net/{VETH}{i}/statistics")
+        counts[f"n{i}"] = int((stats / "rx_bytes").read_text()) + int((stats / "tx_bytes").read_text())
+    return counts
+
+
+def log(tmp_path: Path, name: str) -> str:
+    return "".join(p.read_text() for p in tmp_path.glob(f"{name}-*.out"))[-3000:]
+
+
+# Wide enough that each step's gradient (1025 floats, 4 kB) outweighs SLURM's own traffic on the veths.
+WIDE = ["data.num_features=1024", "data.num_samples=2048"]
+
+
+@pytest.mark.parametrize("tasks", [1, 2])
+def test_sbatch_ddp_across_two_nodes(tmp_path, tasks):
+    before = veth_bytes()
+    job = submit(tmp_path, "ddp", *WIDE, nodes=2, tasks=tasks)
+    wait_until(lambda: state(job) == "", "the two-node job to end")
+    moved = {node: count - before[node] for node, count in veth_bytes().items()}
+    run_dir, world = tmp_path / "ddp", 2 * tasks
+    record = metrics(run_dir)
+    assert record.get("status") == "completed", log(tmp_path, "ddp")
+    assert (record["world_size"], record["devices"], record["num_nodes"]) == (world, tasks, 2)
+    ranks = json.loads((run_dir / "provenance.json").read_text())["starts"][-1]["ranks"]
+    assert [(r["rank"], r["node_rank"], r["host"]) for r in ranks] == [
+        (rank, rank // tasks, f"n{rank // tasks + 1}") for rank in range(world)
+    ]
+    assert {r["interface"] for r in ranks} == {"eth0"}  # the route to the master, not loopback
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["ddp", f"ddp-{job}.out"])  # one run dir
+    # Every step all-reduces the 1025 gradients (float32) across the nodes: each node sends and receives at least
+    # that many bytes (the checkpoints and TensorBoard go through the shared /tmp, not the network).
+    steps = record["global_step"]
+    assert min(moved.values()) > steps * 1025 * 4, (moved, steps)
+    difference = assert_weights_of_one_device(run_dir, tmp_path / "one", *WIDE)
+    print(f"\ntwo nodes x {tasks}: hosts {[r['host'] for r in ranks]}, world {world}, steps {steps}, bytes through the")
+    print(f"nodes' veths {moved}, largest weight difference to one device {difference:.2e}")
+
+
+# 200 steps an epoch over 2 ranks, 40 epochs, so that a signal or a lost node lands mid-run; momentum: optimizer
+# state to restore. The reference is the same two-node job, uninterrupted: resumes must give its weights bit
+# for bit (one device sums the gradients in another order).
+LONG = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=40", "optimizer.momentum=0.9"]
+LONG += ["optimizer.lr=0.01"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("uninterrupted")
+    job = submit(tmp_path, "run", *LONG)
+    wait_until(lambda: state(job) == "", "the uninterrupted two-node job", timeout=400)
+    assert metrics(tmp_path / "run").get("status") == "completed", log(tmp_path, "run")
+    return tmp_path / "run"
+
+
+def loss_steps(run_dir: Path) -> list[int]:
+    events = EventAccumulator(str(run_dir / "tensorboard"), size_guidance={"scalars": 0}).Reload()
+    return [e.step for e in events.Scalars("train/loss")]
+
+
+def start_if_pending(job: str) -> None:
+    if state(job) == "PENDING":  # a requeued job waits for a begin time about two minutes away: start it now
+        slurm("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+
+
+def assert_resumed_bit_for_bit(run_dir: Path, reference: Path) -> None:
+    resumed, expected = final_weights(run_dir), final_weights(reference)
+    assert [k for k in expected if not torch.equal(resumed[k], expected[k])] == []
+    assert loss_steps(run_dir) == loss_steps(reference)  # each step once in TensorBoard
+
+
+@pytest.mark.parametrize("preemption", ["scontrol requeue", "SIGUSR1"])
+def test_a_preempted_two_node_job_is_requeued_and_resumes_bit_for_bit(tmp_path, uninterrupted, preemption):
+    name = "preempted-" + preemption.split()[-1].lower()
+    run_dir = tmp_path / name
+    job = submit(tmp_path, name, *LONG)
+    wait_until(lambda: "train/loss" in logged_tags(run_dir), "training to start")
+    if preemption == "SIGUSR1":  # as `--signal=USR1@90` does: to the job's steps on both nodes
+        slurm("scancel", "--signal=USR1", job)
+    else:
+        slurm("scontrol", "requeue", job)
+    wait_until(lambda: metrics(run_dir).get("status") == "interrupted" or state(job) == "", "the stop")
+    interrupted = metrics(run_dir)
+    assert interrupted.get("status") == "interrupted" and 0 < interrupted["global_step"] < 8000, log(tmp_path, name)
+    wait_until(lambda: start_if_pending(job) or metrics(run_dir).get("status") == "completed", "the resumed run")
+    wait_until(lambda: state(job) == "", "the job to leave the queue", timeout=60)
+    starts = json.loads((run_dir / "provenance.json").read_text())["starts"]
+    assert [sorted({r["host"] for r in s["ranks"]}) for s in starts] == [["n1", "n2"]] * 2
+    assert_resumed_bit_for_bit(run_dir, uninterrupted)
+
+
+# distributed.lost_rank's line (docs/failures.md#a-lost-rank).
+LOST_LINE = (
+    r"error: lost rank (?P<rank>\d) of 2 \(pid \d+ on (?P<host>\S+)\) at step \d+: Connection (?:closed|reset) by "
+    r"peer; resume from (?P<checkpoint>\S+) \(step (?P<saved>\d+)\): run the same command again$"
+)
+
+
+def job_pids(node: int) -> list[int]:
+    """The processes in node `node`'s namespace but its slurmd: the job's (slurmstepd, srun, the ranks)."""
+    slurmd = int((DIR / f"slurmd-n{node}.pid").read_text())
+    pids = subprocess.run(["ip", "netns", "pids", f"{NETNS}{node}"], capture_output=True, text=True, check=True)
+    return [int(pid) for pid in pids.stdout.split() if int(pid) != slurmd]
+
+
+def job_record(job: str) -> dict:
+    line = slurm("scontrol", "show", "job", "-o", job, check=False)
+    return dict(field.split("=", 1) for field in line.split() if "=" in field)
+
+
+def last_epoch_checkpoint(run_dir: Path) -> int:
+    try:
+        return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    except (OSError, RuntimeError, EOFError, KeyError):
+        return 0
+
+
+@pytest.mark.parametrize("loss", ["the job's processes killed", "slurmd stopped"])
+def test_a_lost_node_ends_the_other_rank_and_the_job_resumes_bit_for_bit(tmp_path, uninterrupted, loss):
+    name = "lost-" + loss.split()[-1]
+    run_dir = tmp_path / name
+    job = submit(tmp_path, name, *LONG)
+    wait_until(lambda: last_epoch_checkpoint(run_dir) > 0, "the first epoch's checkpoint")
+    lost_at = time.monotonic()
+    if loss == "slurmd stopped":
+        # The node falls silent: SLURM marks it DOWN (SlurmdTimeout) and requeues the job, ending its step on n1;
+        # the rank there stops, and the rank left on n2 must not hang in a collective.
+        os.kill(int((DIR / "slurmd-n2.pid").read_text()), signal.SIGKILL)
+    else:
+        for pid in job_pids(2):
+            os.kill(pid, signal.SIGKILL)
+    # No rank left: nothing of the job in either namespace, within a bounded time. Killed: gloo's error on n1 at
+    # once, and srun's KillWait (10 s) once that rank cancelled its step. Stopped: SlurmdTimeout (20 s) and SLURM's
+    # ping interval before n2 is DOWN, then KillWait.
+    bound = 30 if loss == "the job's processes killed" else 90
+    gone = lambda: job_pids(1) == [] and (loss != "slurmd stopped" or job_pids(2) == [])  # noqa: E731
+    ended = wait_until(gone, "no process of the job left", bound)
+    print(f"\n{loss}: the job's processes on both nodes ended {ended:.1f} s later")
+    if loss == "slurmd stopped":
+        assert script("start").returncode == 0  # the node comes back; the requeued job runs on it
+        assert job_record(job).get("Restarts") == "1"
+        wait_until(lambda: start_if_pending(job) or metrics(run_dir).get("status") == "completed", "the resumed run")
+    else:
+        wait_until(lambda: state(job) in ("", "FAILED", "COMPLETING"), "the job to end")
+        record = job_record(job)
+        assert (record.get("JobState"), record.get("ExitCode", "0:0") != "0:0") == ("FAILED", True), record
+        assert metrics(run_dir).get("status") == "failed"
+        # The rank on n1 says, in one line instead of gloo's traceback, who was lost, where, and what to resume.
+        said = (tmp_path / f"{name}-{job}.out").read_text()
+        lost = [line for line in said.splitlines() if line.startswith("error: lost rank")]
+        assert len(lost) == 1 and "[rank0]: Traceback" not in said, said[-3000:]
+        found = re.match(LOST_LINE, lost[0])
+        assert found and found["rank"] == "1" and found["host"] == "n2", lost[0]
+        assert found["checkpoint"] == str(run_dir / "checkpoints" / "last.ckpt"), lost[0]
+        print(lost[0])
+        # The same command again, a new job: it resumes from the checkpoint the line named.
+        again = submit(tmp_path, name, *LONG)
+        wait_until(lambda: state(again) == "", "the re-submitted job")
+        starts = json.loads((run_dir / "provenance.json").read_text())["starts"]
+        assert starts[-1]["resumed_from"]["global_step"] == int(found["saved"])
+    assert time.monotonic() - lost_at < 400
+    assert metrics(run_dir).get("status") == "completed", log(tmp_path, name)
+    assert_resumed_bit_for_bit(run_dir, uninterrupted)
+
+
+def on_node(node: int, command: list[str]) -> list[str]:
+    """`command` on node `node`, as its slurmd runs jobs: in its network namespace, under its hostname."""
+    net = ["nsenter", f"--net=/run/netns/{NETNS}{node}", "--", "unshare", "--uts", "--"]
+    return [*net, "sh", "-c", f'hostname n{node} && exec "$@"', "sh", *command]
+
+
+def test_torchrun_from_each_node_gives_the_weights_of_one_device(tmp_path):
+    """docs/strategies.md's two-node torchrun command, run on n1 (--node-rank 0, its address as master) and n2."""
+    run_dir, before = tmp_path / "torchrun", veth_bytes()
+    procs = []
+    for node in (1, 2):
+        torchrun = ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node - 1)]
+        torchrun += [
+            "--master-addr",
+            N1_ADDRESS,
+            "--master-port",
+            os.environ.get("GPU_LAB_MASTER_PORT", "29700"),
+        ]
+        command = [sys.executable, "-m", "torch.distributed.run", *torchrun, "train.py", "trainer.num_nodes=2"]
+        command += ["trainer.accelerator=cpu", *TINY, *WIDE, f"hydra.run.dir={run_dir}"]
+        procs.append(
+            subprocess.Popen(
+                on_node(node, command), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
+    outputs = [proc.communicate(timeout=300)[0] for proc in procs]
+    moved = {node: count - before[node] for node, count in veth_bytes().items()}
+    assert [proc.returncode for proc in procs] == [0, 0], outputs[0][-2000:] + outputs[1][-2000:]
+    record = metrics(run_dir)
+    assert (record["status"], record["world_size"], record["num_nodes"]) == ("completed", 2, 2)
+    ranks = json.loads((run_dir / "provenance.json").read_text())["starts"][-1]["ranks"]
+    assert [(r["rank"], r["node_rank"], r["host"], r["interface"]) for r in ranks] == [
+        (0, 0, "n1", "eth0"),
+        (1, 1, "n2", "eth0"),
+    ]
+    assert min(moved.values()) > record["global_step"] * 1025 * 4, moved
+    difference = assert_weights_of_one_device(run_dir, tmp_path / "one", *WIDE)
+    print(f"\ntorchrun on n1 and n2: bytes through the veths {moved}, weight difference to one device {difference:.2e}")
+
+
+def test_a_submitit_sweep_of_two_node_jobs(tmp_path):
+    sweep = tmp_path / "sweep"
+    command = [sys.executable, "train.py", "-m", *TINY, "trainer.accelerator=cpu", "optimizer.lr=0.01,0.02"]
+    command += ["hydra/launcher=submitit_slurm", "hydra.launcher.nodes=2", "hydra.launcher.tasks_per_node=1"]
+    command += ["trainer.num_nodes=2", "hydra.launcher.cpus_per_task=1", "hydra.launcher.mem_gb=2"]
+    command += [
+        "hydra.launcher.timeout_min=10",
+        f"hydra.launcher.name=submitit-{tmp_path.name}",
+        f"hydra.sweep.dir={sweep}",
+    ]
+    done = subprocess.run(command, cwd=ROOT, env=env(), capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = list(csv.DictReader((sweep / "results.csv").open()))
+    assert [(row["status"], row["world_size"], row["num_nodes"]) for row in rows] == [("completed", "2", "2")] * 2
+    for job in ("0", "1"):
+        ranks = json.loads((sweep / job / "provenance.json").read_text())["starts"][-1]["ranks"]
+        assert [r["host"] for r in ranks] == ["n1", "n2"], job
