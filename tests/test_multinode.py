@@ -168,9 +168,14 @@ def loss_steps(run_dir: Path) -> list[int]:
     return [e.step for e in events.Scalars("train/loss")]
 
 
+# Not `now`: slurmd revoked the job's credential when its first run was killed, and it refuses a new one of the same
+# second ("Killing non-startable batch JobId=N: Job credential revoked"): the requeued job would end there.
+SOON = "now+3"
+
+
 def start_if_pending(job: str) -> None:
-    if state(job) == "PENDING":  # a requeued job waits for a begin time about two minutes away: start it now
-        slurm("scontrol", "update", f"JobId={job}", "StartTime=now", check=False)
+    if state(job) == "PENDING":  # a requeued job waits for a begin time about two minutes away: start it sooner
+        slurm("scontrol", "update", f"JobId={job}", f"StartTime={SOON}", check=False)
 
 
 def assert_resumed_bit_for_bit(run_dir: Path, reference: Path) -> None:

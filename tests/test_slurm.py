@@ -114,8 +114,10 @@ def test_a_preempted_job_is_requeued_and_resumes_bit_for_bit(tmp_path, uninterru
 
     def requeued_then_done() -> bool:
         now = state(job)
-        if now == "PENDING":  # a requeued job waits for a begin time about two minutes away: start it now
-            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], timeout=30)
+        if now == "PENDING":  # a requeued job waits for a begin time about two minutes away: start it sooner
+            # Not `now`: slurmd refuses a credential of the same second as the one it revoked when the first run
+            # was killed ("Killing non-startable batch JobId=N: Job credential revoked"), ending the job.
+            subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], timeout=30)
         return now == "" or metrics(run_dir).get("status") == "completed"
 
     wait_until(requeued_then_done, "the requeued job to complete")
