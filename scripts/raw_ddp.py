@@ -33,6 +33,9 @@ def rank_main(rank: int, args) -> None:
             allreduce_alone(rank, args)
         else:
             train(rank, args)
+        # Leave together: a rank that tears gloo down while its peer still holds the pair ends in SIGABRT
+        # ("terminate called without an active exception"), seen once in CI.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
