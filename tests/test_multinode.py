@@ -170,12 +170,15 @@ def loss_steps(run_dir: Path) -> list[int]:
 
 # Not `now`: slurmd revoked the job's credential when its first run was killed, and it refuses a new one of the same
 # second ("Killing non-startable batch JobId=N: Job credential revoked"): the requeued job would end there.
+# Once a job: each move puts the begin time 3 s from then.
 SOON = "now+3"
+MOVED: set[str] = set()
 
 
 def start_if_pending(job: str) -> None:
-    if state(job) == "PENDING":  # a requeued job waits for a begin time about two minutes away: start it sooner
+    if job not in MOVED and state(job) == "PENDING":  # a requeued job's begin time is about two minutes away
         slurm("scontrol", "update", f"JobId={job}", f"StartTime={SOON}", check=False)
+        MOVED.add(job)
 
 
 def assert_resumed_bit_for_bit(run_dir: Path, reference: Path) -> None:

@@ -112,12 +112,15 @@ def test_a_preempted_job_is_requeued_and_resumes_bit_for_bit(tmp_path, uninterru
     log = lambda: "".join(p.read_text() for p in tmp_path.glob(f"{name}-*.out"))[-3000:]  # noqa: E731
     assert interrupted.get("status") == "interrupted" and 0 < interrupted["global_step"] < 6000, log()
 
+    moved = []
+
     def requeued_then_done() -> bool:
         now = state(job)
-        if now == "PENDING":  # a requeued job waits for a begin time about two minutes away: start it sooner
+        if now == "PENDING" and not moved:  # a requeued job's begin time is about two minutes away: move it, once
             # Not `now`: slurmd refuses a credential of the same second as the one it revoked when the first run
             # was killed ("Killing non-startable batch JobId=N: Job credential revoked"), ending the job.
             subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now+3"], timeout=30)
+            moved.append(job)
         return now == "" or metrics(run_dir).get("status") == "completed"
 
     wait_until(requeued_then_done, "the requeued job to complete")
