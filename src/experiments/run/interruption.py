@@ -30,13 +30,9 @@ class Interruption(Callback):
     and Lightning's loops know how to resume mid-epoch; the data loader's position travels in the
     checkpoint too (`BatchLoader.state_dict`).
 
-    Ranks agree on the step to stop at, and on the signal, through one small all-reduce a window
-    (experiments.windows: the hook runs once a window), only when there is more than one rank: a signal reaches
-    one rank (`kill` of the launching process) or all of them at slightly different times (Ctrl-C), and
-    `save_checkpoint` is a collective that every rank must enter. With one rank the module ends its window at the
-    next optimizer step (experiments.module); with several every rank runs its window to the end, the same
-    optimizer step on each, so a stop waits at most one window (to the next log step: `trainer.log_every_n_steps`
-    steps).
+    Ranks agree on the step to stop at, and on the signal, through one small all-reduce per optimizer step, only
+    when there is more than one rank: a signal reaches one rank (`kill` of the launching process) or all of them at
+    slightly different times (Ctrl-C), and `save_checkpoint` is a collective that every rank must enter.
     """
 
     def __init__(self, checkpoint: str):
