@@ -24,6 +24,11 @@ PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pi
 PEER_ADDRESS = re.compile(r"\[([0-9a-fA-F.:]+)\]:(\d+)")
 
 
+def peer_gone(err: BaseException) -> str | None:
+    """gloo's words in `err` when it is the error for a lost peer (or this module's line, which keeps them)."""
+    return next((words for words in PEER_GONE if words in str(err)), None)
+
+
 def this_process() -> dict:
     """Who this rank is, as the others will name it: host, pid, and the addresses gloo may use for it."""
     host = socket.gethostname()
@@ -70,11 +75,10 @@ class LostRank:
 
     def error(self, err: BaseException, step: int) -> RunFailed | None:
         """The one-line error for `err`, met at `step`, when it is gloo's for a lost peer; None for any other error."""
-        message = str(err)
-        gone = next((words for words in PEER_GONE if words in message), None)
+        gone = peer_gone(err)
         if gone is None or len(self.ranks) < 2:
             return None
-        found = PEER_ADDRESS.search(message)
+        found = PEER_ADDRESS.search(str(err))
         lost = self._lost_ranks(found.group(1) if found else None)
         who = " or ".join(f"rank {r} of {len(self.ranks)}" for r in lost) or "a rank"
         where = ", ".join(f"pid {self.ranks[r]['pid']} on {self.ranks[r]['host']}" for r in lost)

@@ -19,7 +19,7 @@ import sys
 
 from lightning.fabric.plugins.environments import SLURMEnvironment
 
-from experiments.distributed.lost_rank import PEER_GONE
+from experiments.distributed.lost_rank import peer_gone
 from experiments.distributed.ranks import this_rank
 
 
@@ -50,7 +50,7 @@ def end_step_after(err: BaseException) -> None:
     job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
     if job is None or step is None or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
         return
-    if not any(words in str(err) for words in PEER_GONE):
+    if peer_gone(err) is None:
         return
     try:
         subprocess.run(["scancel", "--quiet", f"{job}.{step}"], capture_output=True, timeout=30)
