@@ -76,7 +76,7 @@ def raw_loop(x, y, batch_size: int, steps: int, device: torch.device, precision:
         order = torch.randperm(len(x), device=x.device)
         for i in range(len(x) // batch_size):
             index = order[i * batch_size : (i + 1) * batch_size]
-            if x.device == device:
+            if x.device.type == torch.device(device).type:
                 torch.index_select(x, 0, index, out=xb)
                 torch.index_select(y, 0, index, out=yb)
             else:

@@ -280,24 +280,25 @@ def test_the_summary_says_what_was_chosen(runs):
     assert line.startswith("batch       192 = micro-batch 64 x 3 accumulated x 1 rank (batch.effective: the largest")
 
 
-def test_out_of_memory_names_the_option_and_what_it_would_choose(tmp_path, monkeypatch):
+@pytest.mark.parametrize("accelerator", ["cpu", pytest.param("gpu", marks=pytest.mark.cuda)])
+def test_out_of_memory_names_the_option_and_what_it_would_choose(accelerator, tmp_path, monkeypatch):
     def out_of_memory(self, batch, batch_idx):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(Regressor, "training_step", out_of_memory)
-    with pytest.raises(RunFailed) as err:
-        train(compose_config("trainer.accumulate_grad_batches=2", *QUIET), tmp_path)
-    # On the CPU the measured default budget holds the whole effective batch of 64 x 2.
+    with pytest.raises(RunFailed) as err:  # on a GPU, measured with the data already moved there
+        cfg = compose_config(f"trainer.accelerator={accelerator}", "trainer.accumulate_grad_batches=2", *QUIET)
+        train(cfg, tmp_path)
+    # The measured default budget (the CPU's memory, or the GPU's) holds the whole effective batch of 64 x 2.
     assert "or let the lab choose with batch.effective=128: measured now, it would train data.batch_size=128 " \
         "trainer.accumulate_grad_batches=1 (a micro-batch of 128 per rank" in str(err.value)  # fmt: skip
 
 
 # --------------------------------------------------------------------------------------------------- a GPU
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
-@CUDA
+@pytest.mark.cuda
 def test_on_a_gpu_the_fit_stays_within_free_memory_less_the_margin(tmp_path):
     metrics = train(compose_config("trainer.accelerator=gpu", "batch.effective=512", *QUIET), tmp_path)
     fitted = metrics["batch_fit"]
@@ -306,17 +307,18 @@ def test_on_a_gpu_the_fit_stays_within_free_memory_less_the_margin(tmp_path):
     assert metrics["peak_memory_mb"] <= fitted["budget_mb"]
 
 
-@CUDA
+@pytest.mark.cuda
 def test_on_a_gpu_under_a_memory_cap_the_fit_accumulates_and_matches_the_plain_run(tmp_path):
-    # CUDA rounds every block up to 512 bytes: 100 features (about 424 bytes a sample) and 50 KiB
-    wide = ["trainer.accelerator=gpu", "data.num_features=100", *QUIET]
+    # CUDA rounds every block up to 512 bytes: 100 features (about 424 bytes a sample) and 50 KiB. The data stays
+    # on the host: kept on the GPU (data.on_device=auto), its 0.25 MiB alone would exceed the budget.
+    wide = ["trainer.accelerator=gpu", "data.num_features=100", "data.on_device=false", *QUIET]
     plain = train(compose_config(*wide, f"data.batch_size={E}"), tmp_path / "plain")
     fit = train(compose_config(*wide, f"batch.effective={E}", "batch.memory_mb=0.05"), tmp_path / "fit")
     assert fit["accumulate_grad_batches"] > 1 and fit["effective_batch_size"] == plain["effective_batch_size"]
     assert relative_difference(weights(tmp_path / "fit"), weights(tmp_path / "plain")) < 1e-5
 
 
-@CUDA
+@pytest.mark.cuda
 def test_on_a_gpu_out_of_memory_names_numbers_that_then_train(tmp_path):
     """Capped at 256 MiB, a global batch of 131,072 rows of 1000 features (500 MiB) runs out of memory; the message's
     data.batch_size and accumulation (measured under the cap) then train."""

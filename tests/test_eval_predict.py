@@ -263,7 +263,7 @@ def test_cli_bad_input_exits_2_with_one_line_and_writes_nothing(trained, tmp_pat
         assert not out.exists()
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_eval_and_predict_on_a_gpu(trained, tmp_path):
     figures = evaluate_in_process(f"ckpt_path={trained['ckpt']}", "trainer.accelerator=gpu")
     metrics = json.loads((trained["run_dir"] / "metrics.json").read_text())

@@ -345,7 +345,7 @@ def test_the_csv_estimate_is_a_lower_bound_of_what_reading_takes(tmp_path):
     assert 0.5 * peak < needs <= peak
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_data_held_on_a_gpu_is_checked_against_its_free_memory(tmp_path):
     free = torch.cuda.mem_get_info()[0]
     samples = int(free / (4 * 101) * 1.2) // 1000 * 1000  # 20% more float32 samples of 100 features than free
@@ -381,7 +381,7 @@ def test_weights_that_diverged_between_loss_checks_never_reach_a_checkpoint(tmp_
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_on_a_gpu_weights_that_diverged_between_log_steps_never_reach_a_checkpoint(tmp_path):
     args = ["trainer.accelerator=gpu", "optimizer.lr=1.5", "trainer.max_epochs=40", "trainer.log_every_n_steps=100000"]
     done = cli(*args, f"hydra.run.dir={tmp_path / 'run'}")

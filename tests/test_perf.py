@@ -19,7 +19,6 @@ from experiments.module import Regressor
 from experiments.perf import process_start_time
 
 PERF = ["samples_per_sec", "step_time_ms", "transfer_ms", "peak_memory_mb"]
-needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 def test_metrics_json_perf_figures_are_positive_and_consistent(tiny_run):
@@ -81,7 +80,7 @@ def test_on_device_and_pin_memory_reject_other_values(setting):
         check_config(compose_config(f"{setting}=yes"))
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_on_device_auto_keeps_the_data_on_the_gpu(run_in_process):
     metrics, _ = run_in_process("trainer.accelerator=gpu", "logger=none")
     assert metrics["data_device"].startswith("cuda")
@@ -89,14 +88,14 @@ def test_on_device_auto_keeps_the_data_on_the_gpu(run_in_process):
     assert keep_on_device("auto", torch.device("cuda"), nbytes=2**20)
 
 
-@needs_cuda
+@pytest.mark.cuda
 def test_host_data_on_the_gpu_is_copied_and_timed(run_in_process):
     metrics, _ = run_in_process("trainer.accelerator=gpu", "data.on_device=false", "logger=none")
     assert metrics["data_device"] == "cpu"
     assert metrics["transfer_ms"] > 0
 
 
-@needs_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed"])
 def test_mixed_precision_trains_on_the_gpu(run_in_process, precision):
     overrides = ["trainer.accelerator=gpu", f"trainer.precision={precision}", "logger=none", "trainer.max_epochs=4"]
@@ -315,7 +314,7 @@ def test_log_steps_are_one_notion_under_accumulation(run_in_process):
     assert [p.step for p in events.Scalars("perf/step_time_ms")] == [4, 6, 8]  # warm-up ends at step 3
 
 
-@needs_cuda
+@pytest.mark.cuda
 @pytest.mark.parametrize("pin", ["true", "false"])
 def test_host_data_on_the_gpu_pinned_or_pageable(run_in_process, pin):
     metrics, _ = run_in_process("trainer.accelerator=gpu", "data.on_device=false", f"data.pin_memory={pin}")

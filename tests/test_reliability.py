@@ -151,7 +151,7 @@ def test_out_of_memory_suggests_a_smaller_batch(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "failed"
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.cuda
 def test_real_gpu_out_of_memory_suggests_a_smaller_batch(tmp_path, monkeypatch):
     def allocate_too_much(self, batch, batch_idx):
         return torch.empty(2**50, device=self.device).sum()  # 4 PiB

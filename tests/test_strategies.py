@@ -25,7 +25,6 @@ from experiments.data.loader import BatchLoader, EpochShuffle
 from experiments.distributed.launcher import ranks_join_this_job
 from experiments.distributed.ranks import silent_rank_overrides
 
-CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 TWO_GPUS = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
 
 
@@ -295,7 +294,7 @@ def test_dataparallel_code_path_on_cpu_equals_single_device(runs, tmp_path, monk
     )  # once per step
 
 
-@CUDA
+@pytest.mark.cuda
 @pytest.mark.parametrize("devices", [1, pytest.param(2, marks=TWO_GPUS)])
 def test_dataparallel_on_gpus_equals_single_device(tmp_path, devices):
     common = ["trainer.accelerator=gpu", "data.batch_size=256", "logger=none"]
@@ -306,7 +305,7 @@ def test_dataparallel_on_gpus_equals_single_device(tmp_path, devices):
     assert dp["global_step"] == single["global_step"]
 
 
-@CUDA
+@pytest.mark.cuda
 def test_dataparallel_refuses_more_gpus_than_there_are(tmp_path):
     with pytest.raises(ConfigError, match="strategy=dp: trainer.devices="):
         check_strategy(compose_config("strategy=dp", f"trainer.devices={torch.cuda.device_count() + 1}"))

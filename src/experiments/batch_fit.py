@@ -144,7 +144,7 @@ class Probe:
 
     def step_bytes(self, micro_batch: int, steps: int = 2) -> int | None:
         """Peak bytes of `steps` steps (the first makes the optimizer's state); None if CUDA ran out of memory."""
-        rows = torch.arange(micro_batch)
+        rows = torch.arange(micro_batch, device=self.splits[0].device)  # on the GPU where the run moved the data
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):  # the run's seeded initial weights stay as they are
             try:
