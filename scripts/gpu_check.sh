@@ -42,8 +42,10 @@ report() {  # docs/gpu.md from the parts run so far: rewritten after each, so a 
       tail -n 60 "$LOG/$name"
       echo '```'
     done
-    echo
-    echo "The study's GPU sections: [study_gpu.md](study_gpu.md)."
+    if [ -e docs/study_gpu.md ]; then
+      echo
+      echo "The study's GPU sections: [study_gpu.md](study_gpu.md)."
+    fi
   } >"$OUT"
 }
 run() {  # run NAME SECONDS COMMAND...: its output into $LOG/NAME, its exit status kept, the report rewritten
