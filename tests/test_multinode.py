@@ -204,6 +204,8 @@ def test_a_preempted_two_node_job_is_requeued_and_resumes_bit_for_bit(tmp_path, 
     wait_until(lambda: state(job) == "", "the job to leave the queue", timeout=60)
     starts = json.loads((run_dir / "provenance.json").read_text())["starts"]
     assert [sorted({r["host"] for r in s["ranks"]}) for s in starts] == [["n1", "n2"]] * 2
+    # From the stop's own checkpoint: a run started again from scratch gives the same weights too.
+    assert (starts[-1]["resumed_from"] or {}).get("global_step") == interrupted["global_step"], starts[-1]
     assert_resumed_bit_for_bit(run_dir, uninterrupted)
 
 
