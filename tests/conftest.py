@@ -11,6 +11,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 from hydra import compose, initialize_config_dir
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -28,6 +29,20 @@ TINY = [
     "trainer.log_every_n_steps=1",
     "trainer.enable_progress_bar=false",
 ]
+
+
+def metrics(run_dir: Path) -> dict:
+    """A run's metrics.json; {} while there is none (or it is being replaced)."""
+    try:
+        return json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def final_weights(run_dir: Path) -> dict:
+    """A run's last.ckpt weights, and its step (bit-for-bit comparisons compare where the runs ended too)."""
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    return {**checkpoint["state_dict"], "global_step": torch.tensor(checkpoint["global_step"])}
 
 
 def shrink(overrides) -> list[str]:
