@@ -40,6 +40,20 @@ def pytest_runtest_setup(item):
         pytest.skip("needs a CUDA GPU")
 
 
+def metrics(run_dir: Path) -> dict:
+    """A run's metrics.json; {} while there is none (or it is being replaced)."""
+    try:
+        return json.loads((run_dir / "metrics.json").read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def final_weights(run_dir: Path) -> dict:
+    """A run's last.ckpt weights, and its step (bit-for-bit comparisons compare where the runs ended too)."""
+    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
+    return {**checkpoint["state_dict"], "global_step": torch.tensor(checkpoint["global_step"])}
+
+
 def shrink(overrides) -> list[str]:
     """TINY before the overrides; its synthetic-data keys only where the data is synthetic."""
     synthetic = all(not o.startswith("data=") or o == "data=synthetic" for o in overrides)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, compose_config, logged_tags
+from conftest import ROOT, TINY, compose_config, final_weights, logged_tags, metrics
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.commands.train import train
@@ -78,18 +78,6 @@ def wait_until(condition, what: str, timeout: float = 240) -> float:
         assert time.monotonic() - started < timeout, f"{what}: not after {timeout} s"
         time.sleep(0.25)
     return time.monotonic() - started
-
-
-def metrics(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "metrics.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def final_weights(run_dir: Path) -> dict:
-    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
-    return {**checkpoint["state_dict"], "global_step": torch.tensor(checkpoint["global_step"])}
 
 
 def assert_weights_of_one_device(run_dir: Path, one_dir: Path, *args: str) -> float:
@@ -204,6 +192,8 @@ def test_a_preempted_two_node_job_is_requeued_and_resumes_bit_for_bit(tmp_path, 
     wait_until(lambda: state(job) == "", "the job to leave the queue", timeout=60)
     starts = json.loads((run_dir / "provenance.json").read_text())["starts"]
     assert [sorted({r["host"] for r in s["ranks"]}) for s in starts] == [["n1", "n2"]] * 2
+    # From the stop's own checkpoint: a run started again from scratch gives the same weights too.
+    assert (starts[-1]["resumed_from"] or {}).get("global_step") == interrupted["global_step"], starts[-1]
     assert_resumed_bit_for_bit(run_dir, uninterrupted)
 
 

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import multiprocessing
 import os
 import re
 import signal
@@ -14,6 +15,8 @@ import pytest
 import torch
 from conftest import ROOT, TINY, cli, compose_config
 from lightning.fabric.plugins import TorchCheckpointIO
+from lightning.fabric.plugins.environments import LightningEnvironment
+from lightning.pytorch.strategies import DDPStrategy
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.commands.train import train
@@ -23,6 +26,7 @@ from experiments.distributed.lost_rank import LostRank
 from experiments.module import Regressor
 from experiments.run.exits import RunFailed
 from experiments.run.files import UMASK, AtomicCheckpointIO, write_atomic
+from experiments.run.interruption import Interruption
 from experiments.run.signals import Interrupted
 
 # ---------------------------------------------------------------------------------------------- bad input
@@ -322,6 +326,41 @@ def running(pid: int) -> bool:
         return "State:\tZ" not in Path(f"/proc/{pid}/status").read_text()  # a zombie has ended
     except FileNotFoundError:
         return False
+
+
+def _agreeing_rank(rank: int, tmp_path: Path) -> None:
+    """One of two real gloo ranks asking `Interruption.agree` twice, rank 1 sending SIGTERM to rank 0 while rank 0
+    waits in the first all-reduce (rank 1 not there yet)."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0", WORLD_SIZE="2")
+    torch.distributed.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=rank, world_size=2)
+    strategy = DDPStrategy(parallel_devices=[torch.device("cpu")] * 2, cluster_environment=LightningEnvironment())
+    interruption = Interruption(str(tmp_path / "unused.ckpt"))
+    interruption.phase = "training"
+    (tmp_path / f"pid{rank}").write_text(str(os.getpid()))
+    with interruption.handling():
+        torch.distributed.barrier()
+        if rank == 1:
+            time.sleep(1)  # rank 0 is in the all-reduce by now
+            os.kill(int((tmp_path / "pid0").read_text()), signal.SIGTERM)
+            time.sleep(0.5)
+        stops = [interruption.agree(strategy), interruption.agree(strategy)]
+    (tmp_path / f"stops{rank}.json").write_text(json.dumps(stops))
+    torch.distributed.destroy_process_group()
+
+
+def test_a_signal_during_the_ranks_agreement_stops_every_rank_at_the_next_step(tmp_path):
+    """Handled on rank 0 as its all-reduce returns, the signal is not a stop there alone (rank 0 would wait in
+    the checkpoint's barrier, rank 1 in the next step's collectives: a hang, then SLURM's SIGKILL, nothing
+    saved): both ranks go on, and both stop at the next agreement."""
+    spawn = multiprocessing.get_context("spawn")
+    ranks = [spawn.Process(target=_agreeing_rank, args=(rank, tmp_path)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    for process in ranks:
+        process.join(timeout=120)
+    assert [process.exitcode for process in ranks] == [0, 0]
+    stops = [json.loads((tmp_path / f"stops{rank}.json").read_text()) for rank in (0, 1)]
+    assert stops == [[None, signal.SIGTERM]] * 2
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, compose_config, logged_tags
+from conftest import ROOT, TINY, cli, compose_config, final_weights, logged_tags
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.commands.train import train
@@ -23,11 +23,6 @@ from experiments.run.signals import Interrupted
 from experiments.run.state import State, identity, inspect
 
 RESUMABLE = ["trainer.max_epochs=3", "optimizer.momentum=0.9"]  # momentum: optimizer state to restore
-
-
-def weights(run_dir: Path) -> dict:
-    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
-    return {**checkpoint["state_dict"], "global_step": torch.tensor(checkpoint["global_step"])}
 
 
 def scalar_steps(run_dir: Path) -> dict[str, list[int]]:
@@ -69,7 +64,7 @@ def test_an_interrupted_run_started_again_in_its_dir_resumes_exactly(tmp_path, m
 
     metrics = train(compose_config(*RESUMABLE), run_dir)  # no ckpt_path: the dir's own checkpoint
     assert metrics["status"] == "completed" and metrics["global_step"] == 24
-    resumed, reference = weights(run_dir), weights(uninterrupted)
+    resumed, reference = final_weights(run_dir), final_weights(uninterrupted)
     assert [k for k in reference if not torch.equal(resumed[k], reference[k])] == []
     # Event files of both starts in one dir; TensorBoard shows each step once, exactly those of the uninterrupted run.
     assert len(list((run_dir / "tensorboard").glob("events.out.tfevents.*"))) > 1

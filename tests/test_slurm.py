@@ -5,7 +5,6 @@ Skipped only where SLURM is not installed (no `sinfo`); CI sets GPU_LAB_REQUIRE_
 """
 
 import csv
-import json
 import os
 import shutil
 import subprocess
@@ -15,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, compose_config, logged_tags
+from conftest import ROOT, TINY, compose_config, final_weights, logged_tags, metrics
 
 from experiments.commands.train import train
 
@@ -52,18 +51,6 @@ def wait_until(condition, what: str, timeout: float = 240) -> None:
     while not condition():
         assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
         time.sleep(0.5)
-
-
-def metrics(run_dir: Path) -> dict:
-    try:
-        return json.loads((run_dir / "metrics.json").read_text())
-    except (OSError, ValueError):
-        return {}
-
-
-def final_weights(run_dir: Path) -> dict:
-    checkpoint = torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)
-    return {**checkpoint["state_dict"], "global_step": torch.tensor(checkpoint["global_step"])}
 
 
 def test_sbatch_ddp_over_two_tasks_gives_the_weights_of_one_device(tmp_path):

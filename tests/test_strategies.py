@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, compose_config
+from conftest import ROOT, TINY, cli, compose_config, metrics
 from omegaconf import OmegaConf
 
 from experiments.commands.train import train
@@ -64,10 +64,6 @@ def weights(run_dir: Path) -> torch.Tensor:
 
 def relative_difference(a: torch.Tensor, b: torch.Tensor) -> float:
     return (torch.linalg.norm(a - b) / torch.linalg.norm(b)).item()
-
-
-def metrics(run_dir: Path) -> dict:
-    return json.loads((run_dir / "metrics.json").read_text())
 
 
 def event_file_pids(run_dir: Path) -> set[str]:

@@ -4,7 +4,7 @@ that they change the speed, never the maths."""
 import lightning as L
 import pytest
 import torch
-from conftest import compose_config
+from conftest import compose_config, final_weights
 
 from experiments.commands.train import train
 from experiments.data import SyntheticRegression
@@ -39,10 +39,6 @@ def test_where_a_window_ends(position, batches):
 
 
 RUN = ["trainer.max_epochs=3", "optimizer.momentum=0.9", "logger=none"]
-
-
-def final_weights(run_dir) -> dict:
-    return torch.load(run_dir / "checkpoints" / "last.ckpt", weights_only=False)["state_dict"]
 
 
 @pytest.mark.parametrize("accumulate", [1, 3])

@@ -32,12 +32,16 @@ class Interruption(Callback):
 
     Ranks agree on the step to stop at, and on the signal, through one small all-reduce per optimizer step, only
     when there is more than one rank: a signal reaches one rank (`kill` of the launching process) or all of them at
-    slightly different times (Ctrl-C), and `save_checkpoint` is a collective that every rank must enter.
+    slightly different times (Ctrl-C, SLURM's signals to each node), and `save_checkpoint` is a collective that
+    every rank must enter. A rank stops on what the all-reduce returned, never on what its handler recorded since:
+    a signal that lands while the all-reduce runs is handled when it returns, on that rank only, and a rank that
+    stopped on it would wait in the checkpoint's barrier for ranks gone on to the next step (a hang until
+    SLURM's KillWait killed the job, nothing saved). Such a signal is agreed on at the next step.
     """
 
     def __init__(self, checkpoint: str):
         self.checkpoint = checkpoint
-        self.signum: int | None = None
+        self.signum: int | None = None  # the first signal this rank received
         self.phase = "setup"  # setup, training, finished
 
     def handling(self) -> AbstractContextManager:
@@ -60,19 +64,21 @@ class Interruption(Callback):
         self._stop_if_asked(trainer)  # a signal during the last validation
         self.phase = "finished"
 
-    def _agree(self, trainer: L.Trainer) -> None:
-        """Every rank takes the signal any rank got, SIGUSR1 first: a SLURM warning reaches each node's ranks at
-        its own time, and rank 0, which asks SLURM for the requeue (`slurm.requeue_after`), may stop on another
-        rank's SIGUSR1 before its own arrives."""
-        seen = torch.tensor([self.signum or 0, self.signum == signal.SIGUSR1], device=trainer.strategy.root_device)
-        seen = trainer.strategy.reduce(seen, reduce_op="max")
-        if seen[0] > 0:
-            self.signum = signal.SIGUSR1 if seen[1] else int(seen[0])
+    def agree(self, strategy) -> int | None:
+        """The signal every rank stops on (None: none yet), from one all-reduce of each rank's; SIGUSR1 first: a
+        SLURM warning reaches each node's ranks at its own time, and rank 0, which asks SLURM for the requeue
+        (`slurm.requeue_after`), may stop on another rank's SIGUSR1 before its own arrives."""
+        received = self.signum  # once: the handler may set it while the all-reduce runs (see the class)
+        seen = torch.tensor([received or 0, received == signal.SIGUSR1], device=strategy.root_device)
+        seen = strategy.reduce(seen, reduce_op="max")
+        if seen[0] == 0:
+            return None
+        return signal.SIGUSR1 if seen[1] else int(seen[0])
 
     def _stop_if_asked(self, trainer: L.Trainer, mid_step: bool = False) -> None:
-        if trainer.world_size > 1:
-            self._agree(trainer)
-        if self.signum is not None:
+        stop = self.agree(trainer.strategy) if trainer.world_size > 1 else self.signum
+        if stop is not None:
+            self.signum = stop
             self.phase = "finished"
             if mid_step:
                 # Lightning writes this step's logged metrics only after this hook: write them now, or the step
