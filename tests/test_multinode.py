@@ -200,8 +200,9 @@ def test_a_preempted_two_node_job_is_requeued_and_resumes_bit_for_bit(tmp_path, 
 # distributed.lost_rank's line (docs/failures.md#a-lost-rank).
 LOST_LINE = (
     r"error: lost rank (?P<rank>\d) of 2 \(pid \d+ on (?P<host>\S+)\) at step \d+: Connection (?:closed|reset) by "
-    r"peer; resume from (?P<checkpoint>\S+) \(step (?P<saved>\d+)\): run the same command again$"
-)
+    r"peer; resume from (?P<checkpoint>\S+) \(step (?P<saved>\d+)\): run the same command again"
+    r"(?:$|slurmstepd: error: \*\*\* STEP .* CANCELLED .*$)"
+)  # slurmstepd's cancel notice can land on the same line of the .out: the rank's line ends where it began
 
 
 def job_pids(node: int) -> list[int]:
