@@ -41,7 +41,7 @@ class Interruption(Callback):
 
     def __init__(self, checkpoint: str):
         self.checkpoint = checkpoint
-        self.signum: int | None = None  # the first signal this rank received
+        self.signum: int | None = None  # the first signal this rank received; once stopped, the one agreed on
         self.phase = "setup"  # setup, training, finished
 
     def handling(self) -> AbstractContextManager:
