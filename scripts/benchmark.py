@@ -5,6 +5,8 @@
     python scripts/benchmark.py --threads 1      # one torch thread for both paths
     python scripts/benchmark.py --device cuda    # the same on a GPU (data on the device), with bf16/16-mixed rows
     python scripts/benchmark.py --gpu-sweep      # CPU vs GPU, pageable, pinned and device data, B = 64 ... 65536
+    python scripts/benchmark.py --ddp            # `train.py trainer.devices=2` vs raw DDP x2, CPU, gloo (~40 min)
+    python scripts/benchmark.py --ddp --quick    # its tiny smoke run (tests use it)
 
 raw: the seed's loop in plain PyTorch as an expert writes it, on the same data, batch, device and precision:
 each epoch a `randperm`, batches gathered with `index_select` into two reused tensors, then zero_grad, forward,
@@ -34,6 +36,7 @@ import time
 import warnings
 from pathlib import Path
 
+import benchmark_ddp  # scripts/, beside this file
 import lightning
 import torch
 from hydra import compose, initialize_config_dir
@@ -328,10 +331,13 @@ def parse_args():
     parser.add_argument("--reps", type=int, default=5, help="interleaved repetitions of each side")
     parser.add_argument("--threads", type=int, help="torch CPU threads of both paths (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
+    parser.add_argument("--ddp", action="store_true", help="DDP x2 against raw DDP x2 (scripts/benchmark_ddp.py)")
     parser.add_argument(
         "--gpu-sweep", action="store_true", help="CPU vs GPU, host vs device data, B = 64 ... 65536 (needs CUDA)"
     )
     args = parser.parse_args()
+    if args.ddp:
+        return args
     if args.quick:
         args.features, args.samples, args.seconds, args.reps = 16, 2048, 0.1, 2
         args.batch_sizes, args.precisions = args.batch_sizes or "16,64", args.precisions or "32-true"
@@ -346,6 +352,9 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
+    if args.ddp:
+        benchmark_ddp.main(args)
+        return
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("error: --device cuda (or --gpu-sweep) needs a CUDA GPU; none is visible to PyTorch")
     for name in ("lightning.pytorch", "lightning.fabric"):  # their start-up notices would bury the table

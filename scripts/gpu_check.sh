@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# bash scripts/gpu_check.sh      (on a machine with a CUDA GPU; at most 9.5 minutes; writes docs/gpu.md after each part)
+# bash scripts/gpu_check.sh      (on a machine with a CUDA GPU; at most 9.5 minutes, 11.5 with two GPUs; writes docs/gpu.md after each part)
 # Everything that needs a GPU: the tests with CUDA skips, the benchmark's GPU rows (host pageable, host pinned
-# and device-resident data), batch.effective's fit then one epoch of training (default budget with the data kept on
+# and device-resident data: the windowed step on one GPU against a raw CUDA loop), where two GPUs are present DDP x2
+# against raw DDP x2 over NCCL (benchmark.py --ddp --device cuda; with fewer, the report says it was not checked),
+# batch.effective's fit then one epoch of training (default budget with the data kept on
 # the GPU, and a 256 MiB budget with host data) and the study's GPU claims (transfer, batch, batch_fit). Needs .wheels/ from
 # scripts/gpu_wheels.sh when the machine has no package index (Hydra and its launchers are installed from it).
 set -uo pipefail
@@ -64,6 +66,15 @@ run() {  # run NAME SECONDS COMMAND...: its output into $LOG/NAME, its exit stat
 CUDA_TESTS=$(grep -l "mark\.cuda" tests/test_*.py | tr '\n' ' ')
 run tests 180 python3 -m pytest -q -rfEs -m cuda $CUDA_TESTS
 run benchmark 150 python3 scripts/benchmark.py --gpu-sweep --batch-sizes 1024
+GPUS=$(python3 -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ]; then
+  run ddp 120 python3 scripts/benchmark.py --ddp --device cuda --reps 2 --batch-sizes 4096
+else
+  echo "not checked: DDP x2 against raw DDP x2 over NCCL needs 2 GPUs; $GPUS visible to PyTorch" >"$LOG/ddp"
+  echo 0 >"$LOG/ddp.rc"
+  DONE+=(ddp)
+  report
+fi
 FIT=(train.py trainer.accelerator=gpu data.num_samples=1000000 data.num_features=1000 batch.effective=65536
      trainer.max_epochs=1 trainer.enable_progress_bar=false logger=none)
 run batch_fit 90 bash -c "python3 ${FIT[*]} hydra.run.dir=$LOG/fit-default && python3 ${FIT[*]} \

@@ -255,6 +255,12 @@ def scaling_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str],
     lines += [f"Job {j.num} ({' '.join(j.overrides)}) {j.status}: {j.error or 'see its metrics.json'}" for j in failed]
     if not scaling.rows:
         lines.append("No multi-device job completed beside a one-device job: nothing to compare.")
+    lines.append(
+        "These sweeps are short (60 steps, start-up excluded, one thread a process). The account of DDP on a CPU "
+        "(one device, DDP x2 and an expert's raw DDP x2 side by side, per step from whole processes, and a gloo "
+        "all_reduce of the gradients timed alone) is docs/benchmarks.md, section 'DDP on CPU' "
+        "(`python scripts/benchmark.py --ddp`)."
+    )
     if GPUS < 2:
         verified = (
             "CPU: DDP measured (two processes over gloo on this machine's cores). **GPU: unverified**: "

@@ -1,12 +1,15 @@
+import json
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, compose_config
+from conftest import ROOT, cli, compose_config
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -174,6 +177,22 @@ def test_benchmark_quick_prints_its_table():
     assert " ms a save (mean of 3), " in cost and "% of the epoch's" in cost
 
 
+def test_benchmark_ddp_quick_prints_its_table():
+    # Every side of `--ddp` runs (raw DDP x2, `train.py trainer.devices=2`), whole processes; tiny, so its figures are
+    # noise: the test checks the table's shape and the project's own figures, not the ratios.
+    command = [sys.executable, "scripts/benchmark.py", "--ddp", "--quick"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:3] == ["B", "steps", "raw_ms"])
+    names, row = lines[header].split(), lines[header + 1].split()
+    assert (row[0], row[1]) == ("64", "20/60")
+    figures = dict(zip(names, row, strict=True))
+    assert float(figures["step_time_ms"]) > 0 and float(figures["comm_ms"]) > 0  # the DDP run's own breakdown
+    assert "targets: judged at d=1000 on the CPU only" in lines
+    assert any(line.startswith("gloo all_reduce of the seed's 17 gradients, timed alone: ") for line in lines)
+
+
 def test_benchmark_of_the_options_runs_every_variant():
     command = [sys.executable, "scripts/benchmark_options.py", "--quick"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -233,7 +252,7 @@ def breakdown(net: torch.nn.Module | None = None, *callbacks: Callback) -> dict:
     )  # fmt: skip
     trainer.fit(module, datamodule=data)
     m = perf.summary
-    parts = m["data_ms"] + m["transfer_ms"] + m["compute_ms"] + m["framework_ms"]
+    parts = m["data_ms"] + m["transfer_ms"] + m["compute_ms"] + m["comm_ms"] + m["framework_ms"]
     assert parts == pytest.approx(m["step_time_ms"])
     return m
 
@@ -270,6 +289,28 @@ def test_a_slow_batch_raises_data_ms_alone(monkeypatch):
     assert slow["data_ms"] - base["data_ms"] >= 5  # two gathers a batch: its x and its y
     assert abs(slow["compute_ms"] - base["compute_ms"]) < UNMOVED_MS
     assert abs(slow["framework_ms"] - base["framework_ms"]) < UNMOVED_MS
+
+
+def ddp_breakdown(run_dir: Path, seconds: float) -> dict:
+    """Rank 0's step breakdown of a DDP x2 run from the command line whose rank 1 sleeps `seconds` a forward pass."""
+    model = ["model._target_=slow_rank.SlowOnRankOne", f"+model.seconds={seconds}"]
+    args = ["trainer.devices=2", "data.num_samples=2560", "trainer.log_every_n_steps=8", "logger=none", *model]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    done = cli(*args, f"hydra.run.dir={run_dir}", env=env)
+    assert done.returncode == 0, done.stderr[-2000:]
+    return json.loads((run_dir / "metrics.json").read_text())
+
+
+def test_a_slow_rank_raises_the_other_ranks_comm_ms_not_its_compute(tmp_path):
+    # Rank 0 computes as fast as ever, then waits in each all-reduce for rank 1, 5 ms slower a step: its comm_ms
+    # (experiments.distributed.comm) takes the wait, its compute_ms does not.
+    base, slow = ddp_breakdown(tmp_path / "base", 0.0), ddp_breakdown(tmp_path / "slow", 0.005)
+    assert base["comm_ms"] > 0 and base["compute_ms"] > 0
+    assert slow["comm_ms"] - base["comm_ms"] >= 4
+    assert abs(slow["compute_ms"] - base["compute_ms"]) < UNMOVED_MS
+    assert abs(slow["framework_ms"] - base["framework_ms"]) < UNMOVED_MS
+    parts = slow["data_ms"] + slow["transfer_ms"] + slow["compute_ms"] + slow["comm_ms"] + slow["framework_ms"]
+    assert parts == pytest.approx(slow["step_time_ms"])
 
 
 def test_a_slow_save_of_last_ckpt_is_checkpoint_save_ms_not_a_steps_time(run_in_process, tmp_path, monkeypatch):

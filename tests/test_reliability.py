@@ -471,6 +471,43 @@ def test_a_lost_rank_on_another_host_is_named_by_the_address_in_gloos_error(tmp_
     assert lost.error(RuntimeError("some other failure"), step=7) is None
 
 
+# Windows of 25 steps under DDP (experiments.windows): the ranks agree on a signal's stop once a window, at its end.
+DDP_WINDOWS = ["trainer.devices=2", "trainer.log_every_n_steps=25"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux's /proc")
+@pytest.mark.parametrize("victim", ["rank 1", "rank 0"])
+def test_a_signal_to_one_ddp_rank_stops_both_at_a_window_end_and_resumes_exactly(tmp_path, victim):
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    reference = start(runs / "uninterrupted", *DDP_WINDOWS)
+    process = start(runs / "interrupted", *DDP_WINDOWS)
+    ranks = []
+    try:
+        wait_for_steps(runs / "interrupted", process, steps=100)
+        ranks = [process.pid, *descendants(process.pid)]
+        assert len(ranks) == 2
+        os.kill(ranks[0] if victim == "rank 0" else ranks[1], signal.SIGTERM)  # that rank alone, mid-window
+        code = process.wait(timeout=60)
+        assert reference.wait(timeout=180) == 0, (runs / "uninterrupted.log").read_text()[-2000:]
+    finally:
+        for pid in [process.pid, reference.pid, *ranks]:
+            if running(pid):
+                os.kill(pid, signal.SIGKILL)
+    log = (runs / "interrupted.log").read_text()
+    assert code == 128 + signal.SIGTERM, log[-2000:]
+    metrics = json.loads((runs / "interrupted" / "metrics.json").read_text())
+    assert metrics["status"] == "interrupted" and metrics["epochs"] == 0  # 200 steps an epoch
+    # Both ranks ran their window to its end and stopped there, at a log step; the stop's one save is last.ckpt.
+    assert metrics["global_step"] % 25 == 0 and 100 <= metrics["global_step"] < 200
+    assert [p.name for p in (runs / "interrupted" / "checkpoints").iterdir()] == ["last.ckpt"]
+    assert final_state(runs / "interrupted")["global_step"] == metrics["global_step"]
+
+    resumed = start(runs / "resumed", *DDP_WINDOWS, f"ckpt_path={runs / 'interrupted' / 'checkpoints' / 'last.ckpt'}")
+    assert resumed.wait(timeout=180) == 0, (runs / "resumed.log").read_text()[-2000:]
+    assert_bit_identical(final_state(runs / "resumed"), final_state(runs / "uninterrupted"))
+
+
 # ------------------------------------------------------------------------------------------ determinism
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from conftest import ROOT, TINY, cli, compose_config, metrics
 from omegaconf import OmegaConf
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.commands.train import train
 from experiments.config.checks import check_strategy
@@ -89,6 +90,16 @@ def torchrun_two_nodes(cwd: Path, *args: str) -> list[subprocess.Popen]:
     return procs
 
 
+WINDOWED = ["data.num_samples=2560", "data.batch_size=64"]  # 32 steps an epoch, 2 epochs
+# A cosine schedule over 4 epochs, and EarlyStopping that stops at the first validation (its threshold is met).
+SCHEDULED_EARLY_STOP = [
+    "trainer.max_epochs=4",
+    "scheduler=cosine",
+    "callbacks=early_stopping",
+    "+callbacks.early_stopping.stopping_threshold=0.5",
+]
+
+
 def tree(path: Path) -> set[str]:
     return {str(p.relative_to(path)) for p in path.rglob("*")} if path.exists() else set()
 
@@ -105,14 +116,25 @@ def runs(tmp_path_factory) -> dict:
     for name, overrides in {
         "ddp_256": ["trainer.devices=2", "data.batch_size=256"],
         "ddp_64x4": ["trainer.devices=2", "data.batch_size=64", "trainer.accumulate_grad_batches=4"],
-        "ddp_spawn_256": ["strategy=ddp_spawn", "trainer.devices=2", "data.batch_size=256"],
+        # Windows of several steps (experiments.windows: to each log step, or to the epoch's end).
+        "ddp_64_w7": ["trainer.devices=2", *WINDOWED, "trainer.log_every_n_steps=7"],
+        "ddp_64_w50": ["trainer.devices=2", *WINDOWED, "trainer.log_every_n_steps=50"],
+        "ddp_16x4_w3": [
+            "trainer.devices=2",
+            *WINDOWED,
+            "data.batch_size=16",
+            "trainer.accumulate_grad_batches=4",
+            "trainer.log_every_n_steps=3",
+        ],
+        "ddp_spawn_64_w7": ["strategy=ddp_spawn", "trainer.devices=2", *WINDOWED, "trainer.log_every_n_steps=7"],
+        "ddp_64_w7_sched_es": ["trainer.devices=2", *WINDOWED, *SCHEDULED_EARLY_STOP, "trainer.log_every_n_steps=7"],
     }.items():
         dirs[name] = tmp / name
         procs.append(train_py(*overrides, f"hydra.run.dir={dirs[name]}", cwd=ROOT))
     # torchrun with no hydra.run.dir: each rank runs Hydra, and each would make its own timestamped dir.
     dirs["torchrun_cwd"] = tmp / "torchrun"
     dirs["torchrun_cwd"].mkdir()
-    procs += torchrun_two_nodes(dirs["torchrun_cwd"], "trainer.num_nodes=2", "data.batch_size=256")
+    procs += torchrun_two_nodes(dirs["torchrun_cwd"], "trainer.num_nodes=2", *WINDOWED, "trainer.log_every_n_steps=7")
     # Sweeps started from an empty working directory, to see that nothing lands outside the sweep dir. One
     # joblib worker runs both jobs: the second launches its ranks from a process that already did once.
     launchers = {"basic": [], "joblib": ["hydra/launcher=joblib", "hydra.launcher.n_jobs=1"]}
@@ -127,23 +149,55 @@ def runs(tmp_path_factory) -> dict:
         "single_256": ["strategy=single", "data.batch_size=256"],
         "single_64x4": ["data.batch_size=64", "trainer.accumulate_grad_batches=4"],
         "single_128": ["data.batch_size=128"],  # different maths: shows that the tolerance can tell
+        "single_64": [*WINDOWED, "trainer.log_every_n_steps=1"],  # a step a window
+        "single_64_sched_es": [*WINDOWED, *SCHEDULED_EARLY_STOP, "trainer.log_every_n_steps=1"],
     }.items():
         dirs[name] = tmp / name
         train(compose_config(*overrides, "logger=none"), dirs[name])
     outputs = wait(*procs)
     dirs["basic_output"], dirs["joblib_output"] = outputs[-2:]
-    (dirs["torchrun_2x1_256"],) = (dirs["torchrun_cwd"] / "outputs" / "runs").iterdir()
+    (dirs["torchrun_2x1_64_w7"],) = (dirs["torchrun_cwd"] / "outputs" / "runs").iterdir()
     dirs["repo_outputs_changed"] = tree(ROOT / "outputs") != repo_outputs
     return dirs
 
 
-@pytest.mark.parametrize("name", ["single_64x4", "ddp_256", "ddp_64x4", "ddp_spawn_256", "torchrun_2x1_256"])
+@pytest.mark.parametrize("name", ["single_64x4", "ddp_256", "ddp_64x4"])
 def test_final_weights_equal_single_device(runs, name):
     assert relative_difference(weights(runs[name]), weights(runs["single_256"])) <= 1e-5
 
 
+@pytest.mark.parametrize("name", ["ddp_64_w7", "ddp_64_w50", "ddp_16x4_w3", "ddp_spawn_64_w7", "torchrun_2x1_64_w7"])
+def test_windows_of_steps_under_ddp_equal_single_device(runs, name):
+    # 64 optimizer steps, in windows of up to 3, 7 or 50 steps after the warm-up (the windows of both ranks
+    # computed from the same position, with no collective but the gradients' all-reduce of each step).
+    steps = [
+        torch.load(runs[n] / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+        for n in (name, "single_64")
+    ]
+    assert steps == [64, 64]
+    assert relative_difference(weights(runs[name]), weights(runs["single_64"])) <= 1e-5
+
+
 def test_a_different_batch_gives_different_weights(runs):
     assert relative_difference(weights(runs["single_128"]), weights(runs["single_256"])) > 1e-3
+
+
+def test_windows_under_ddp_schedule_and_stop_early_as_one_device(runs):
+    ddp, one = metrics(runs["ddp_64_w7_sched_es"]), metrics(runs["single_64_sched_es"])
+    assert [(m["global_step"], m["stopped_epoch"], m["stop_reason"]) for m in (ddp, one)] == [
+        (32, 0, "stopping_threshold")
+    ] * 2
+    assert relative_difference(weights(runs["ddp_64_w7_sched_es"]), weights(runs["single_64_sched_es"])) <= 1e-5
+
+
+def test_windows_under_ddp_log_at_the_steps_of_one_device(runs, tmp_path):
+    train(compose_config(*WINDOWED, "trainer.log_every_n_steps=7"), tmp_path / "one")
+    ddp, one = (EventAccumulator(str(d / "tensorboard")).Reload() for d in (runs["ddp_64_w7"], tmp_path / "one"))
+    for tag in ("train/loss", "perf/step_time_ms", "perf/comm_ms"):
+        assert [p.step for p in ddp.Scalars(tag)] == [p.step for p in one.Scalars(tag)], tag
+    assert [p.step for p in ddp.Scalars("train/loss")][:3] == [6, 13, 20]  # log steps 7, 14, 21 (0-based)
+    assert min(p.value for p in ddp.Scalars("perf/comm_ms")) > 0  # DDP's all-reduce, timed
+    assert max(p.value for p in one.Scalars("perf/comm_ms")) == 0
 
 
 @pytest.mark.parametrize(
@@ -151,8 +205,8 @@ def test_a_different_batch_gives_different_weights(runs):
     [
         ("ddp_256", "ddp", 2, 1),
         ("ddp_64x4", "ddp", 2, 1),
-        ("ddp_spawn_256", "ddp_spawn", 2, 1),
-        ("torchrun_2x1_256", "ddp", 2, 2),
+        ("ddp_spawn_64_w7", "ddp_spawn", 2, 1),
+        ("torchrun_2x1_64_w7", "ddp", 2, 2),
     ],
 )
 def test_ddp_runs_record_their_ranks(runs, name, strategy, world_size, num_nodes):
@@ -166,7 +220,7 @@ def test_ddp_runs_record_their_ranks(runs, name, strategy, world_size, num_nodes
     assert {(r["host"], r["interface"]) for r in ranks} == {(socket.gethostname(), None)}
 
 
-@pytest.mark.parametrize("name", ["ddp_256", "ddp_64x4", "torchrun_2x1_256"])
+@pytest.mark.parametrize("name", ["ddp_256", "ddp_64x4", "torchrun_2x1_64_w7"])
 def test_only_rank_zero_writes(runs, name):
     run_dir = runs[name]
     assert len(event_file_pids(run_dir)) == 1  # a rank > 0 writing TensorBoard files would add its pid

@@ -83,8 +83,9 @@ def window_position(trainer: L.Trainer, warming_up: bool = False) -> Position:
     val_every = trainer.val_check_batch
     if not isinstance(val_every, int) or val_every >= trainer.num_training_batches or not trainer.enable_validation:
         val_every = None  # validation at the epoch's end only, or never
-    # Several ranks agree on a stop only between iterations; time-based validation is checked after each one.
-    one_step = warming_up or trainer.world_size > 1 or getattr(trainer, "_val_check_time_interval", None) is not None
+    # Time-based validation is checked after each iteration of Lightning's loop. Several ranks need no step a
+    # window: each computes the same window from the same counters, and a signal is agreed at a window's end.
+    one_step = warming_up or getattr(trainer, "_val_check_time_interval", None) is not None
     return Position(
         step=trainer.global_step,
         batch=loop.batch_idx,  # the window's first batch, which Lightning has counted as `ready`

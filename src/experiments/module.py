@@ -11,6 +11,7 @@ from torchmetrics import MeanAbsoluteError, MeanSquaredError, MetricCollection, 
 
 from experiments import internals
 from experiments.data.loader import BatchLoader
+from experiments.distributed import comm
 from experiments.divergence import check_loss
 from experiments.log_steps import is_log_step
 from experiments.perf import ComputeClock
@@ -76,7 +77,11 @@ class Regressor(L.LightningModule):
         configs = trainer.lr_scheduler_configs
         self._scheduler = configs[0].scheduler if configs else None
         self._scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: the gradient scaler
-        self._interruption = next((c for c in trainer.callbacks if isinstance(c, Interruption)), None)
+        # One rank alone must not end a window early (the others would wait in their next all-reduce): under
+        # several ranks a signal is agreed at the window's end (experiments.run.interruption).
+        interruption = next((c for c in trainer.callbacks if isinstance(c, Interruption)), None)
+        self._interruption = interruption if trainer.world_size == 1 else None
+        self._comm = comm.timed(trainer.strategy.model) if trainer.world_size > 1 else None  # comm_ms
         self._fit_batches = 0  # micro-batches of this fit: the first ones run a step a window (windows.py)
 
     def training_step(self, window: BatchLoader, batch_idx: int) -> None:
@@ -84,11 +89,13 @@ class Regressor(L.LightningModule):
         its backward pass, and at the end of each accumulation an optimizer step (and a scheduler step), in plain
         PyTorch, as Lightning's automatic optimization would run them: the loss divided by
         `accumulate_grad_batches`, gradients clipped as the Trainer says, DDP's all-reduce in the backward pass
-        of a step's last micro-batch only, the gradients set to None after the step. A signal
-        (experiments.run.interruption) ends the window at the next optimizer step.
+        of a step's last micro-batch only, the gradients set to None after the step. With one rank, a signal
+        (experiments.run.interruption) ends the window at the next optimizer step; with several, the window runs
+        to its end, where the ranks agree.
 
-        The compute clock (compute_ms) times each micro-batch from its forward pass to the end of its update, the
-        loader's clock (data_ms) the forming of its batch; what is left of the window is the framework's.
+        The compute clock (compute_ms) times each micro-batch from its forward pass to the end of its update, less
+        the wait for the gradients' all-reduce under DDP (comm_ms: experiments.distributed.comm); the loader's
+        clock (data_ms) the forming of its batch; what is left of the window is the framework's.
         """
         trainer = self.trainer
         at = internals.window_position(trainer, warming_up=self._fit_batches < WARMUP_BATCHES)
@@ -97,11 +104,11 @@ class Regressor(L.LightningModule):
         optimizer, scheduler, scaler, clip = self._optimizer, self._scheduler, self._scaler, trainer.gradient_clip_val
         sync = trainer.strategy.pre_backward if trainer.world_size > 1 else None  # DDP: all-reduce in this backward
         forward = self.forward_net or self.net  # strategy=dp: the net's forward pass scattered over the GPUs
-        interruption, clock = self._interruption, self.compute_clock
+        interruption, clock, comm_clock = self._interruption, self.compute_clock, self._comm
         host_clock = not clock.cuda  # on the host clock (CPU), timed here: two clock reads a micro-batch
         check_every = self.device.type == "cpu"  # elsewhere reading the loss waits for the device: once a window
         done = steps = 0
-        seconds = 0.0
+        seconds = waited = 0.0
         lr = None
         try:
             while done < batches:
@@ -120,6 +127,8 @@ class Regressor(L.LightningModule):
                 if ends_step and sync:
                     sync(loss)
                 (scaler.scale(loss) if scaler else loss).backward()
+                if ends_step and sync and host_clock and comm_clock is not None:
+                    waited += comm_clock.wait_since_ready()
                 if ends_step:
                     if clip:
                         if scaler:
@@ -146,7 +155,7 @@ class Regressor(L.LightningModule):
             internals.count_window(trainer, done, steps)
             self._fit_batches += done
             if host_clock:
-                clock.add(seconds, done)
+                clock.add(seconds - waited, done, waited)
         self.last_loss = mse.detach()  # metrics.json's train_loss: read once, after the fit
         if is_log_step(trainer):  # the window ends at a log step (experiments.windows)
             self._log_step(self.last_loss, lr)

@@ -170,6 +170,7 @@ class ComputeClock:
 
     def __init__(self):
         self.seconds = 0.0
+        self.comm_seconds = 0.0  # DDP on the host clock: waiting for the gradients' all-reduce (comm_ms)
         self.micro_steps = 0  # micro-steps timed: every one on the host clock, the sampled ones with events
         self.cuda = False
         self.active = True  # host clock: always; CUDA: during a sampled optimizer step
@@ -207,9 +208,11 @@ class ComputeClock:
             self.seconds += time.perf_counter() - self._start
         self._start = None
 
-    def add(self, seconds: float, micro_steps: int) -> None:
-        """Host-clock time the module measured itself (a method call a micro-batch would cost more than its reads)."""
+    def add(self, seconds: float, micro_steps: int, comm_seconds: float = 0.0) -> None:
+        """Host-clock time the module measured itself (a method call a micro-batch would cost more than its reads):
+        compute, and under DDP the wait for the gradients' all-reduce, which it took out of the compute."""
         self.seconds += seconds
+        self.comm_seconds += comm_seconds
         self.micro_steps += micro_steps
 
     def total(self) -> tuple[float, int]:
@@ -232,9 +235,10 @@ class PerfMonitor(Callback):
     end.
 
     A step's time is split into `data_ms` (forming the batch: BatchClock), `transfer_ms` (host-to-device
-    copies: TransferClock), `compute_ms` (forward, backward and optimizer update: ComputeClock) and
+    copies: TransferClock), `compute_ms` (forward, backward and optimizer update: ComputeClock), `comm_ms` (under
+    DDP on the host clock: waiting for the gradients' all-reduce, experiments.distributed.comm; 0 otherwise) and
     `framework_ms`, the rest: Lightning's loop, hooks, callbacks and logging, and the window's own loop. Each
-    of the first three is timed on its own, so the rest is a measurement too (it would come out negative if the
+    of the first four is timed on its own, so the rest is a measurement too (it would come out negative if the
     parts overlapped).
 
     TensorBoard's `perf/*` points describe the interval since the previous point; `summary` (metrics.json)
@@ -339,6 +343,7 @@ class PerfMonitor(Callback):
             "transfer": self._transfer_seconds() - self.paused_transfer,
             "data": self.batch_clock.seconds,
             "compute": compute,
+            "comm": self.compute_clock.comm_seconds,
             "computed_steps": computed_steps,
         }
 
@@ -352,9 +357,10 @@ class PerfMonitor(Callback):
             "transfer_ms": 1e3 * (end["transfer"] - start["transfer"]) / steps,
             # per micro-step of the steps timed: all of them on the host clock, the sampled ones on CUDA
             "compute_ms": 1e3 * (end["compute"] - start["compute"]) / computed if computed else 0.0,
+            "comm_ms": 1e3 * (end["comm"] - start["comm"]) / computed if computed else 0.0,
         }
         figures["framework_ms"] = figures["step_time_ms"] - figures["data_ms"] - figures["transfer_ms"]
-        figures["framework_ms"] -= figures["compute_ms"]
+        figures["framework_ms"] -= figures["compute_ms"] + figures["comm_ms"]
         return {
             "samples_per_sec": self.global_batch_size * steps / elapsed,
             **figures,

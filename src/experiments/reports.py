@@ -65,7 +65,7 @@ def completed(jobs: list[Job]) -> list[Job]:
     return [j for j in jobs if j.status == "completed" and j.metrics.get("samples_per_sec")]
 
 
-SPEED_FIGURES = ("samples_per_sec", "step_time_ms", "transfer_ms", "data_ms", "compute_ms", "framework_ms")
+SPEED_FIGURES = ("samples_per_sec", "step_time_ms", "transfer_ms", "data_ms", "compute_ms", "comm_ms", "framework_ms")
 REPEAT_KEYS = ("seed", "data.seed")
 
 

@@ -5,8 +5,13 @@ whole step of the seed's model at a small batch. So the module's `training_step`
 micro-batches, in plain PyTorch, and Lightning's loop runs once a window. A window ends wherever Lightning
 would do something between two batches, so that everything it does happens where it would with one batch an
 iteration: at every log step, at an epoch's end, at `max_steps`, where validation or a checkpoint every n
-steps is due, after every optimizer step when there are several ranks, and during the first `WARMUP_BATCHES`
-micro-batches of a fit, which PerfMonitor leaves out of the steady state (experiments.perf).
+steps is due, and during the first `WARMUP_BATCHES` micro-batches of a fit, which PerfMonitor leaves out of the
+steady state (experiments.perf).
+
+Several ranks run the same windows with no collective to agree on them: each computes the window from the same
+Position (Lightning's counters, the same on every rank). What the ranks must agree on (a signal's stop, a save, a
+target, validation's figures) is agreed where Lightning's hooks run, at a window's end; inside a window the only
+collective is the gradients' all-reduce of each optimizer step, as in a plain DDP loop.
 """
 
 from dataclasses import dataclass
@@ -27,7 +32,7 @@ class Position:
     every_steps: tuple[int, ...] = ()  # optimizer-step periods that something is due at (a checkpoint)
     val_every: int | None = None  # validation every this many micro-batches of `val_count`
     val_count: int = 0  # the micro-batches that `val_every` counts: this epoch's, or the whole run's
-    one_step: bool = False  # several ranks (they agree on a stop only between iterations), or warming up
+    one_step: bool = False  # warming up, or validation by time (checked between iterations)
 
 
 def window_batches(at: Position) -> int:

@@ -30,13 +30,16 @@ class Interruption(Callback):
     and Lightning's loops know how to resume mid-epoch; the data loader's position travels in the
     checkpoint too (`BatchLoader.state_dict`).
 
-    Ranks agree on the step to stop at, and on the signal, through one small all-reduce per optimizer step, only
-    when there is more than one rank: a signal reaches one rank (`kill` of the launching process) or all of them at
-    slightly different times (Ctrl-C, SLURM's signals to each node), and `save_checkpoint` is a collective that
-    every rank must enter. A rank stops on what the all-reduce returned, never on what its handler recorded since:
-    a signal that lands while the all-reduce runs is handled when it returns, on that rank only, and a rank that
-    stopped on it would wait in the checkpoint's barrier for ranks gone on to the next step (a hang until
-    SLURM's KillWait killed the job, nothing saved). Such a signal is agreed on at the next step.
+    Ranks agree on the step to stop at, and on the signal, through one small all-reduce a window
+    (experiments.windows: the hook runs once a window), only when there is more than one rank: a signal reaches
+    one rank (`kill` of the launching process) or all of them at slightly different times (Ctrl-C, SLURM's signals
+    to each node), and `save_checkpoint` is a collective that every rank must enter. With one rank the module ends
+    its window at the next optimizer step (experiments.module); with several every rank runs its window to the
+    end, the same optimizer step on each, so a stop waits at most one window (to the next log step:
+    `trainer.log_every_n_steps` steps). A rank stops on what the all-reduce returned, never on what its handler
+    recorded since: a signal that lands while the all-reduce runs is handled when it returns, on that rank only,
+    and a rank that stopped on it would wait in the checkpoint's barrier for ranks gone on to the next window (a
+    hang until SLURM's KillWait killed the job, nothing saved). Such a signal is agreed on at the next window.
     """
 
     def __init__(self, checkpoint: str):

@@ -44,6 +44,7 @@ class Metrics:
     data_ms: float = key("ms", "part of a step: forming the batch")
     transfer_ms: float = key("ms", "part of a step: copying the batch to the device (0 on the CPU or device-resident)")
     compute_ms: float = key("ms", "part of a step: forward, backward and optimizer update")
+    comm_ms: float = key("ms", "part of a step: waiting for the gradients' all-reduce (DDP on the CPU; else 0)")
     framework_ms: float = key("ms", "part of a step: the rest (Lightning's loop, hooks, callbacks, logging)")
     peak_memory_mb: float = key("MiB", "CUDA's peak allocation on a GPU; the process's peak resident memory on the CPU")
     # where and how it ran
