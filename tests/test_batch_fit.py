@@ -297,7 +297,6 @@ def test_out_of_memory_names_the_option_and_what_it_would_choose(accelerator, tm
 # --------------------------------------------------------------------------------------------------- a GPU
 
 
-
 @pytest.mark.cuda
 def test_on_a_gpu_the_fit_stays_within_free_memory_less_the_margin(tmp_path):
     metrics = train(compose_config("trainer.accelerator=gpu", "batch.effective=512", *QUIET), tmp_path)

@@ -508,6 +508,28 @@ def test_a_signal_to_one_ddp_rank_stops_both_at_a_window_end_and_resumes_exactly
     assert_bit_identical(final_state(runs / "resumed"), final_state(runs / "uninterrupted"))
 
 
+@pytest.mark.parametrize("sender", [0, 1], ids=["rank 0 signals rank 1", "rank 1 signals rank 0"])
+def test_a_signal_during_the_ranks_agreement_stops_both_a_window_later(tmp_path, sender):
+    """The CLI's DDP run, the signal landing on one rank while it waits in the agreement at step 50's window end
+    (tests/signal_rank.py): not a stop there alone (a hang: one rank in the checkpoint's barrier, the other in the
+    next window), but both ranks stop at the next window's end, step 75, with one checkpoint."""
+    run_dir = tmp_path / "run"
+    callback = ["+callbacks.signal_peer._target_=signal_rank.SignalPeer", f"+callbacks.signal_peer.sender={sender}",
+                "+callbacks.signal_peer.step=50"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "train.py", *TINY, *RESUMABLE, *LONG, "logger=csv", *DDP_WINDOWS, *callback]
+    try:
+        done = subprocess.run([*command, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, capture_output=True,
+                              text=True, timeout=300)  # fmt: skip
+    except subprocess.TimeoutExpired as hung:
+        pytest.fail(f"the run hung: {hung}")
+    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+    metrics = json.loads((run_dir / "metrics.json").read_text())
+    assert (metrics["status"], metrics["global_step"]) == ("interrupted", 75)
+    assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["last.ckpt"]
+    assert final_state(run_dir)["global_step"] == 75
+
+
 # ------------------------------------------------------------------------------------------ determinism
 
 
