@@ -5,7 +5,7 @@
     python scripts/benchmark.py --threads 1      # one torch thread for both paths
     python scripts/benchmark.py --device cuda    # the same on a GPU (data on the device), with bf16/16-mixed rows
     python scripts/benchmark.py --gpu-sweep      # CPU vs GPU, pageable, pinned and device data, B = 64 ... 65536
-    python scripts/benchmark.py --ddp            # `train.py trainer.devices=2` vs raw DDP x2, CPU, gloo (~40 min)
+    python scripts/benchmark.py --ddp            # `train.py trainer.devices=2` vs raw DDP x2, CPU, gloo (~25 min)
     python scripts/benchmark.py --ddp --quick    # its tiny smoke run (tests use it)
 
 raw: the seed's loop in plain PyTorch as an expert writes it, on the same data, batch, device and precision:
