@@ -81,13 +81,12 @@ SWEEPS = {
     ],
     "batch": [Sweep("batch", ["experiment=study_batch"], ["trainer.accelerator=gpu", "data.num_features=1000"])],
     "memory": [Sweep("memory", ["experiment=study_memory"], ["trainer.accelerator=gpu"])],
+    # Several GPUs only: on a CPU the one account of DDP is the benchmark's (CPU_SCALING below).
     "scaling": [
-        Sweep("scaling", ["experiment=study_scaling"], ["trainer.accelerator=gpu"] if GPUS >= 2 else []),
-        *(
-            [Sweep("scaling-dp", ["experiment=study_scaling", "strategy=dp"], ["trainer.accelerator=gpu"])]
-            * (GPUS >= 2)
-        ),
-    ],
+        Sweep("scaling", ["experiment=study_scaling"], ["trainer.accelerator=gpu"]),
+        Sweep("scaling-dp", ["experiment=study_scaling", "strategy=dp"], ["trainer.accelerator=gpu"]),
+    ]
+    * (GPUS >= 2),
     "accumulation": [
         # in a process of its own per job (the experiment's launcher): each job's own peak memory
         Sweep(
@@ -238,6 +237,25 @@ def memory_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str], 
     return [section], [*lines, cpu_note.strip()], gpu_line(jobs, "GPU memory")
 
 
+# With fewer than two GPUs the study runs no sweep of its own for claim d: DDP on a CPU has one account, the
+# benchmark's (whole processes, an expert's raw DDP loop beside it, the all-reduce timed alone), which a 60-step
+# sweep here would only contradict.
+CPU_SCALING = """## {title}
+
+The seed: *{seed}*
+
+GPUs on the machine that wrote this: {gpus}, so no DataParallel here, nor DDP across GPUs. DDP on a CPU (two processes
+over gloo) is measured once, in [benchmarks.md](benchmarks.md#ddp-on-cpu) (`python scripts/benchmark.py --ddp`): one
+process, `trainer.devices=2` and an expert's raw DDP loop side by side at a small and a large batch, per step from
+whole processes, with a gloo all_reduce of the seed's gradients timed alone, which says when two CPU processes pay
+and when they cannot.
+
+CPU: DDP measured in benchmarks.md. **GPU: unverified**: DataParallel needs CUDA, and DDP across GPUs needs two
+(`scripts/gpu_check.sh` times DDP x2 against raw DDP x2 over NCCL where two are present; `python scripts/study.py
+--only scaling` runs this claim's sweeps there).
+"""
+
+
 def scaling_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str], str]:
     speedup, scaling = speedup_section(jobs, out), scaling_section(jobs, out)
     lines = [
@@ -256,20 +274,10 @@ def scaling_claim(jobs: list[Job], out: Path) -> tuple[list[Section], list[str],
     if not scaling.rows:
         lines.append("No multi-device job completed beside a one-device job: nothing to compare.")
     lines.append(
-        "These sweeps are short (60 steps, start-up excluded, one thread a process). The account of DDP on a CPU "
-        "(one device, DDP x2 and an expert's raw DDP x2 side by side, per step from whole processes, and a gloo "
-        "all_reduce of the gradients timed alone) is docs/benchmarks.md, section 'DDP on CPU' "
-        "(`python scripts/benchmark.py --ddp`)."
+        "These sweeps are short (60 steps, start-up excluded). DDP on a CPU is measured once, in docs/benchmarks.md, "
+        "section 'DDP on CPU' (`python scripts/benchmark.py --ddp`)."
     )
-    if GPUS < 2:
-        verified = (
-            "CPU: DDP measured (two processes over gloo on this machine's cores). **GPU: unverified**: "
-            "DataParallel needs CUDA, and multi-GPU DDP needs two GPUs; this run had "
-            f"{GPUS or 'no'} GPU{'s' if GPUS != 1 else ''}."
-        )
-    else:
-        verified = f"GPU: measured on {GPUS} GPUs."
-    return [speedup, scaling], lines, verified
+    return [speedup, scaling], lines, f"GPU: measured on {GPUS} GPUs."
 
 
 def accumulation_claim(memory_jobs: list[Job], speed_jobs: list[Job], out: Path):
@@ -483,8 +491,11 @@ def main() -> None:
     study_dir = ROOT / "outputs" / "study" / stamp
     started = time.perf_counter()
 
-    sections = {}
+    sections, new = {}, {}
     for claim in claims:
+        if claim == "scaling" and GPUS < 2:
+            new[claim] = CPU_SCALING.format(title=TITLES[claim], seed=SEED_SAYS[claim], gpus=GPUS)
+            continue
         results = [run_sweep(sweep, study_dir, args.threads) for sweep in SWEEPS[claim]]
         out = args.out.parent / "study" / claim
         # Timed sweeps repeat each configuration with seeds 0, 1, 2 (the slowest-varying setting, so that the
@@ -513,7 +524,7 @@ def main() -> None:
         f"{minutes:.1f} minutes) on: {machine()}; {args.threads} intra-op CPU thread{'s' if args.threads > 1 else ''} "
         f"per process; its sweep dirs under `outputs/study/{stamp}/`."
     )
-    new = {claim: render_claim(claim, *found, args.out.parent, run) for claim, found in sections.items()}
+    new |= {claim: render_claim(claim, *found, args.out.parent, run) for claim, found in sections.items()}
     write_atomic(args.out, splice(args.out.read_text() if args.out.exists() else "", new))
     print(args.out)
 

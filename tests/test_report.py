@@ -8,6 +8,7 @@ import sys
 
 import matplotlib.image
 import pytest
+import torch
 from conftest import ROOT, cli
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -136,6 +137,21 @@ def test_only_one_claim_replaces_its_section_and_keeps_the_others():
     # A file with one claim only (another --out) gains the next one, in the order of the claims.
     one = study.splice("", {"target": "## (f)"})
     assert list(study.sections_of(study.splice(one, {"batch": batch}))) == ["batch", "target"]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="with two GPUs the claim runs its own sweeps")
+def test_without_two_gpus_the_scaling_claim_runs_no_sweep_and_points_to_the_one_ddp_measurement(tmp_path, monkeypatch):
+    """DDP on a CPU is measured once (benchmarks.md, `benchmark.py --ddp`): the study's section d neither runs nor
+    shows a second, shorter measurement that could contradict it."""
+    study = load_study()
+    swept = []
+    monkeypatch.setattr(study, "run_sweep", lambda *args: swept.append(args) or ([], ""))
+    monkeypatch.setattr(sys, "argv", ["study.py", "--only", "scaling", "--out", str(tmp_path / "study.md")])
+    study.main()
+    section = study.sections_of((tmp_path / "study.md").read_text())["scaling"]
+    assert swept == [] and list(study.sections_of((tmp_path / "study.md").read_text())) == ["scaling"]
+    assert "(benchmarks.md#ddp-on-cpu)" in section and "python scripts/benchmark.py --ddp" in section
+    assert not re.search(r"\d ?(ms|x)\b|samples/s", section)  # no figure of its own
 
 
 def test_a_section_whose_markers_do_not_pair_is_refused():
