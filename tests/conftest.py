@@ -83,6 +83,12 @@ def tiny_run(tmp_path_factory):
     return train(compose_config(), run_dir), run_dir
 
 
+def with_tests_on_path() -> dict:
+    """The environment with tests/ on the PYTHONPATH: a run from the command line can name a test's own class in its
+    config (`model._target_=slow_rank.SlowOnRankOne`, `+callbacks.x._target_=signal_rank.SignalPeer`)."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
+
+
 def cli(*args: str, tiny: bool = True, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
     """`python train.py ARGS` as a user types it, from the repository root."""
     command = [sys.executable, "train.py", *(shrink(args) if tiny else args)]

@@ -1,5 +1,4 @@
 import json
-import os
 import subprocess
 import sys
 import time
@@ -9,7 +8,7 @@ import lightning as L
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, cli, compose_config
+from conftest import ROOT, cli, compose_config, with_tests_on_path
 from lightning.pytorch.callbacks import Callback
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -295,8 +294,7 @@ def ddp_breakdown(run_dir: Path, seconds: float) -> dict:
     """Rank 0's step breakdown of a DDP x2 run from the command line whose rank 1 sleeps `seconds` a forward pass."""
     model = ["model._target_=slow_rank.SlowOnRankOne", f"+model.seconds={seconds}"]
     args = ["trainer.devices=2", "data.num_samples=2560", "trainer.log_every_n_steps=8", "logger=none", *model]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    done = cli(*args, f"hydra.run.dir={run_dir}", env=env)
+    done = cli(*args, f"hydra.run.dir={run_dir}", env=with_tests_on_path())
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads((run_dir / "metrics.json").read_text())
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, compose_config
+from conftest import ROOT, TINY, cli, compose_config, with_tests_on_path
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy
@@ -261,10 +261,10 @@ def test_interrupted_anywhere_then_resumed_equals_uninterrupted(tmp_path, monkey
 LONG = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=2"]
 
 
-def start(run_dir: Path, *args: str) -> subprocess.Popen:
+def start(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
     command = [sys.executable, "train.py", *TINY, *RESUMABLE, *LONG, "logger=csv", *args, f"hydra.run.dir={run_dir}"]
     log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115 (closed with the process)
-    return subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
 
 def wait_for_steps(run_dir: Path, process: subprocess.Popen, steps: int = 100, timeout: float = 120) -> None:
@@ -516,14 +516,14 @@ def test_a_signal_during_the_ranks_agreement_stops_both_a_window_later(tmp_path,
     run_dir = tmp_path / "run"
     callback = ["+callbacks.signal_peer._target_=signal_rank.SignalPeer", f"+callbacks.signal_peer.sender={sender}",
                 "+callbacks.signal_peer.step=50"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "train.py", *TINY, *RESUMABLE, *LONG, "logger=csv", *DDP_WINDOWS, *callback]
+    process = start(run_dir, *DDP_WINDOWS, *callback, env=with_tests_on_path())
     try:
-        done = subprocess.run([*command, f"hydra.run.dir={run_dir}"], cwd=ROOT, env=env, capture_output=True,
-                              text=True, timeout=300)  # fmt: skip
-    except subprocess.TimeoutExpired as hung:
-        pytest.fail(f"the run hung: {hung}")
-    assert done.returncode == 128 + signal.SIGTERM, done.stderr[-2000:]
+        code = process.wait(timeout=300)
+    except subprocess.TimeoutExpired:
+        for pid in [process.pid, *descendants(process.pid)]:
+            os.kill(pid, signal.SIGKILL)
+        pytest.fail("the run hung")
+    assert code == 128 + signal.SIGTERM, (tmp_path / "run.log").read_text()[-2000:]
     metrics = json.loads((run_dir / "metrics.json").read_text())
     assert (metrics["status"], metrics["global_step"]) == ("interrupted", 75)
     assert [p.name for p in (run_dir / "checkpoints").iterdir()] == ["last.ckpt"]

@@ -104,8 +104,9 @@ class Regressor(L.LightningModule):
         optimizer, scheduler, scaler, clip = self._optimizer, self._scheduler, self._scaler, trainer.gradient_clip_val
         sync = trainer.strategy.pre_backward if trainer.world_size > 1 else None  # DDP: all-reduce in this backward
         forward = self.forward_net or self.net  # strategy=dp: the net's forward pass scattered over the GPUs
-        interruption, clock, comm_clock = self._interruption, self.compute_clock, self._comm
+        interruption, clock = self._interruption, self.compute_clock
         host_clock = not clock.cuda  # on the host clock (CPU), timed here: two clock reads a micro-batch
+        comm_clock = self._comm if host_clock else None  # on CUDA the all-reduce stays in the sampled compute
         check_every = self.device.type == "cpu"  # elsewhere reading the loss waits for the device: once a window
         done = steps = 0
         seconds = waited = 0.0
@@ -127,7 +128,7 @@ class Regressor(L.LightningModule):
                 if ends_step and sync:
                     sync(loss)
                 (scaler.scale(loss) if scaler else loss).backward()
-                if ends_step and sync and host_clock and comm_clock is not None:
+                if ends_step and comm_clock is not None:
                     waited += comm_clock.wait_since_ready()
                 if ends_step:
                     if clip:
