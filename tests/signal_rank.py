@@ -10,6 +10,8 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
+from experiments.run.interruption import Interruption
+
 
 class SignalPeer(Callback):
     def __init__(self, sender: int, step: int):
@@ -21,15 +23,15 @@ class SignalPeer(Callback):
         if trainer.global_rank != self.sender:
             return
         peer = pids[1 - self.sender]
-        strategy, reduce = trainer.strategy, trainer.strategy.reduce
+        interruption = next(c for c in trainer.callbacks if isinstance(c, Interruption))
+        agree = interruption.agree
 
-        def signal_inside_the_agreement(tensor, *args, **kwargs):
-            # The agreement's all-reduce is the one of two numbers (the signal, and whether it is SIGUSR1).
-            if self.step is not None and trainer.global_step >= self.step and tensor.shape == (2,):
+        def signal_inside_the_agreement(strategy):
+            if self.step is not None and trainer.global_step >= self.step:
                 self.step = None
-                time.sleep(1.0)  # the peer is in the all-reduce by now, waiting for this rank
+                time.sleep(1.0)  # the peer is in the agreement's all-reduce by now, waiting for this rank
                 os.kill(peer, signal.SIGTERM)
                 time.sleep(0.5)  # its handler has run... once its all-reduce returns
-            return reduce(tensor, *args, **kwargs)
+            return agree(strategy)
 
-        strategy.reduce = signal_inside_the_agreement
+        interruption.agree = signal_inside_the_agreement
