@@ -118,6 +118,30 @@ def count_window(trainer: L.Trainer, micro_batches: int, optimizer_steps: int) -
     loop._batches_that_stepped += optimizer_steps - (0 if loop._should_accumulate() else 1)
 
 
+def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
+    """Drop the broadcast of rank 0's `received_sigterm` that Lightning 2.6 runs under DDP before every iteration of
+    its training loop (`_TrainingEpochLoop._broadcast_sigterm_tensor`): one collective a window, about 0.5 ms on
+    gloo between two CPU processes, and no setting turns it off. Only Lightning's own SIGTERM handler sets that
+    flag, and experiments.run.interruption replaces the handler when training starts (the ranks agree on every
+    signal at a window's end instead), so the broadcast would always say "no signal"."""
+    trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
+
+
+def _no_broadcast() -> None:
+    pass
+
+
+def save_checkpoint_without_barrier(trainer: L.Trainer, path: str) -> None:
+    """`trainer.save_checkpoint(path, weights_only=False)` less its closing barrier: every rank builds the
+    checkpoint (its hooks agree on the weights: experiments.divergence), rank 0 writes it, and the others go on at
+    once rather than wait for the write in one more collective (about 0.5 ms on gloo); they wait at their next
+    all-reduce anyway. Nothing they do before it reads the file (a lost rank's line reads the step from the file
+    on disk). Lightning's `save_checkpoint` has no option to leave the barrier out."""
+    with trainer.profiler.profile("save_checkpoint"):
+        checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
+        trainer.strategy.save_checkpoint(checkpoint, path)
+
+
 def micro_batches_done(trainer: L.Trainer) -> tuple[int, int]:
     """Training micro-batches done (in this epoch, in the whole fit, a resume included), from the loop's own
     counters; from a window's `on_train_batch_end` on, they include the window's."""
@@ -273,6 +297,21 @@ def _loop_counts_windows() -> bool:
     )
 
 
+def _has_sigterm_broadcast() -> bool:
+    advance = inspect.getsource(_TrainingEpochLoop.advance)
+    return "self._broadcast_sigterm_tensor()" in advance and callable(
+        getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None)
+    )
+
+
+def _save_is_dump_write_barrier() -> bool:
+    """Trainer.save_checkpoint is still: dump, the strategy's write, a barrier (save_checkpoint_without_barrier)."""
+    source = inspect.getsource(L.Trainer.save_checkpoint)
+    dump = source.find("self._checkpoint_connector.dump_checkpoint(")
+    write = source.find("self.strategy.save_checkpoint(")
+    return 0 <= dump < write < source.find("self.strategy.barrier(")
+
+
 def _job_return_keeps_error() -> bool:
     return "_return_value" in {f.name for f in dataclasses.fields(JobReturn)}
 
@@ -305,4 +344,6 @@ TOUCHES: list[tuple[str, Callable[[], bool]]] = [
     ("_TrainingEpochLoop's batch_progress, _batches_that_stepped, optim_step_progress", _loop_counts_windows),
     ("ModelCheckpoint._every_n_train_steps", lambda: ModelCheckpoint(every_n_train_steps=3)._every_n_train_steps == 3),
     ("TensorBoardLogger._prefix", lambda: TensorBoardLogger(".", prefix="p")._prefix == "p"),
+    ("_TrainingEpochLoop._broadcast_sigterm_tensor", _has_sigterm_broadcast),
+    ("Trainer._checkpoint_connector.dump_checkpoint in save_checkpoint", _save_is_dump_write_barrier),
 ]

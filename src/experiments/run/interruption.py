@@ -57,6 +57,8 @@ class Interruption(Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         install(self._record)  # over Lightning's own SIGTERM handler (see above)
+        if trainer.world_size > 1:
+            internals.skip_sigterm_broadcast(trainer)  # that handler's flag, broadcast every window: never set now
         self.phase = "training"
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):

@@ -21,6 +21,7 @@ import lightning as L
 from lightning.pytorch.callbacks import Checkpoint
 from omegaconf import DictConfig, OmegaConf
 
+from experiments import internals
 from experiments.divergence import check_before_saving
 from experiments.log_steps import ends_optimizer_step, is_log_step
 from experiments.run.checkpoints import RECORD_KEY
@@ -106,7 +107,12 @@ class LastCheckpoint(Checkpoint):
         if self.saved_step == trainer.global_step:
             return
         started = time.perf_counter()
-        trainer.save_checkpoint(self.path, weights_only=False)  # said, or Lightning logs that it assumed it
+        if timed:
+            # The periodic save: the ranks go on while rank 0 writes (they meet again at the next all-reduce).
+            internals.save_checkpoint_without_barrier(trainer, self.path)
+        else:
+            # The final position: every rank leaves the fit only once it is on disk.
+            trainer.save_checkpoint(self.path, weights_only=False)  # said, or Lightning logs that it assumed it
         self.saved_step = trainer.global_step
         self._last_save_time = time.monotonic()
         seconds = time.perf_counter() - started
