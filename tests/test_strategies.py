@@ -376,7 +376,8 @@ def test_an_epoch_under_ddp_costs_one_agreement_a_window_and_one_at_its_save(tmp
     before each all-reduce, its save_checkpoint one after the write), no broadcast (Lightning's of its SIGTERM flag
     before every window). Windows end only at an epoch's end here: 8 steps an epoch, no log step, no validation."""
     out = tmp_path / "counts"
-    overrides = ["trainer.devices=2", "trainer.max_epochs=4", "trainer.log_every_n_steps=1000", "trainer.limit_val_batches=0"]
+    overrides = ["trainer.devices=2", "trainer.max_epochs=4", "trainer.log_every_n_steps=1000"]
+    overrides += ["trainer.limit_val_batches=0"]
     overrides += ["+callbacks.count._target_=count_collectives.CountCollectives", f"+callbacks.count.out={out}"]
     done = cli(*overrides, f"hydra.run.dir={tmp_path / 'run'}", env=with_tests_on_path())
     assert done.returncode == 0, done.stderr[-2000:]
