@@ -1,4 +1,5 @@
-"""Every touch of Lightning's, Hydra's and torch's private API, in one place: the reason `lightning<2.7` is pinned.
+"""Every touch of Lightning's, Hydra's, torch's and torchmetrics' private API, in one place: the reason
+`lightning<2.7` is pinned.
 
 Each function below says why the public API does not do, and `TOUCHES` lists, for each, how to tell that an
 installed version still has it; tests/test_internals.py runs those checks, so an upgrade that removes one
