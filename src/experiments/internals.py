@@ -1,16 +1,52 @@
-"""Every touch of Lightning's, Hydra's and torch's private API, in one place: the reason `lightning<2.7` is pinned.
+"""Every touch of Lightning's, Hydra's, torch's and torchmetrics' private API, in one place: the reason
+`lightning<2.7` is pinned.
 
 Each function below says why the public API does not do, and `TOUCHES` lists, for each, how to tell that an
 installed version still has it; tests/test_internals.py runs those checks, so an upgrade that removes one
 fails there, naming it, rather than somewhere deep inside a run. Written against Lightning 2.6 and Hydra 1.3.
 """
 
+# ruff: noqa: E402 (torchmetrics is imported before Lightning, which imports it: see the first function)
 import dataclasses
 import inspect
+import sys
 import typing
 import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from lightning_utilities.core.imports import RequirementCache
+
+
+def import_torchmetrics_without_matplotlib() -> None:
+    """Import torchmetrics as if matplotlib were not installed: a run never plots a metric, and the import of
+    matplotlib (pyplot and its axes) is about 0.3 s of a 3 s start-up (docs/benchmarks.md, "Start-up").
+
+    Why private: torchmetrics has no switch. `torchmetrics.metric` imports `torchmetrics.utilities.plot`, which
+    imports matplotlib.pyplot whenever `_MATPLOTLIB_AVAILABLE` (a RequirementCache of lightning_utilities: is
+    the package installed?) holds, and Lightning imports torchmetrics at its own import, so no import order
+    avoids it. That cache is read once, while torchmetrics is imported: a check that says no to matplotlib
+    for that moment only. What changes: `Metric.plot()` asks for matplotlib to be installed; matplotlib itself
+    still imports (experiments.reports). It takes effect when this module is the process's first import of
+    Lightning or torchmetrics: every command's (experiments.sweeps, experiments.commands.entry.load_task).
+    """
+    if "torchmetrics" in sys.modules:
+        return  # imported already, with its plots
+    check = RequirementCache._check_requirement
+
+    def without_matplotlib(cache: RequirementCache) -> None:
+        check(cache)
+        if cache.requirement == "matplotlib":
+            cache.available = False
+
+    RequirementCache._check_requirement = without_matplotlib
+    try:
+        import torchmetrics  # noqa: F401
+    finally:
+        RequirementCache._check_requirement = check
+
+
+import_torchmetrics_without_matplotlib()
 
 import lightning as L
 import torch
@@ -312,6 +348,21 @@ def _save_is_dump_write_barrier() -> bool:
     return 0 <= dump < write < source.find("self.strategy.barrier(")
 
 
+def _torchmetrics_plots_need_matplotlib_cache() -> bool:
+    """torchmetrics decides on its plots, and on importing matplotlib, from one RequirementCache that asks once
+    (import_torchmetrics_without_matplotlib)."""
+    from torchmetrics.utilities import imports, plot
+
+    cache = imports._MATPLOTLIB_AVAILABLE
+    return (
+        isinstance(cache, RequirementCache)
+        and cache.requirement == "matplotlib"
+        and plot._MATPLOTLIB_AVAILABLE is cache
+        and "if _MATPLOTLIB_AVAILABLE:" in inspect.getsource(plot)
+        and "self._check_requirement()" in inspect.getsource(RequirementCache._check_available)
+    )
+
+
 def _job_return_keeps_error() -> bool:
     return "_return_value" in {f.name for f in dataclasses.fields(JobReturn)}
 
@@ -346,4 +397,5 @@ TOUCHES: list[tuple[str, Callable[[], bool]]] = [
     ("TensorBoardLogger._prefix", lambda: TensorBoardLogger(".", prefix="p")._prefix == "p"),
     ("_TrainingEpochLoop._broadcast_sigterm_tensor", _has_sigterm_broadcast),
     ("Trainer._checkpoint_connector.dump_checkpoint in save_checkpoint", _save_is_dump_write_barrier),
+    ("torchmetrics _MATPLOTLIB_AVAILABLE", _torchmetrics_plots_need_matplotlib_cache),
 ]

@@ -79,8 +79,16 @@ def print_help(config_name: str, config_dir: str, name: str) -> None:
 
 
 def run_task(task: str, cfg: DictConfig) -> Any:
+    return run_job(load_task(task), cfg)
+
+
+def load_task(task: str) -> Callable[[DictConfig], Any]:
+    """The task's function, its module imported after experiments.internals: that imports torchmetrics without
+    matplotlib (0.3 s of start-up), which it can only do before anything imports Lightning."""
+    from experiments import internals  # noqa: F401
+
     module, function = task.split(":")
-    return run_job(getattr(importlib.import_module(module), function), cfg)
+    return getattr(importlib.import_module(module), function)
 
 
 def run_command(hydra_main: Callable[[], Any], app_help: Callable[[], None] | None = None) -> Any:
