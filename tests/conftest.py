@@ -1,9 +1,11 @@
+import fcntl
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.parse
 import urllib.request
@@ -38,6 +40,43 @@ def pytest_runtest_setup(item):
     """@pytest.mark.cuda: skipped where PyTorch sees no CUDA GPU (never faked); scripts/gpu_check.sh runs -m cuda."""
     if item.get_closest_marker("cuda") and not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
+
+
+# Parallel workers ----------------------------------------------------------------------------------------------
+# `pytest` runs the suite on several workers (pytest-xdist; `-n auto --dist loadfile` in pyproject.toml): most of a
+# test's time is a subprocess starting or a job waiting, so workers overlap the waits. A test file runs on one worker,
+# so that a module's fixtures (a shared run or sweep, a SLURM cluster's check) are made once. (`--dist loadgroup`
+# would split files finer, but pytest-xdist 3.8 cannot group under pytest 9.2: it renames a node id pytest no longer
+# reads.) A test marked `alone` compares
+# timings of one part of a step against another (tests/test_perf.py): no other test runs beside it. Every test holds
+# a lock file shared, an `alone` test exclusively; a turnstile, taken before the lock, keeps new tests from starting
+# while an `alone` one waits for the running ones (overlapping shared holders could otherwise starve it). By hand:
+# neither pytest nor pytest-xdist has a lock across workers.
+WORKERS_PER_CORE = 2
+LOCKS = "GPU_LAB_TEST_LOCKS"  # the session's lock dir, made by the controller, inherited by the workers
+
+
+def pytest_configure(config):
+    if LOCKS not in os.environ:  # the controller (or a run without workers): the workers inherit it
+        os.environ[LOCKS] = tempfile.mkdtemp(prefix="gpu-lab-test-locks-")
+        config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(LOCKS), ignore_errors=True))
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: WORKERS_PER_CORE workers a core, the tests being mostly waits."""
+    return max(2, int(os.environ.get("GPU_LAB_TEST_WORKERS", 0)) or WORKERS_PER_CORE * (os.cpu_count() or 1))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    alone = item.get_closest_marker("alone") is not None
+    locks = Path(os.environ[LOCKS])
+    with open(locks / "turnstile", "a") as turnstile, open(locks / "running", "a") as running:
+        fcntl.flock(turnstile, fcntl.LOCK_EX)
+        fcntl.flock(running, fcntl.LOCK_EX if alone else fcntl.LOCK_SH)
+        if not alone:
+            fcntl.flock(turnstile, fcntl.LOCK_UN)
+        yield  # setup (a module's fixtures too), call, teardown; closing the files releases the locks
 
 
 def metrics(run_dir: Path) -> dict:

@@ -261,6 +261,7 @@ def breakdown(net: torch.nn.Module | None = None, *callbacks: Callback) -> dict:
 UNMOVED_MS = 2.0
 
 
+@pytest.mark.alone
 def test_a_slow_forward_raises_compute_ms_alone():
     base, slow = breakdown(), breakdown(Sleep(0.005))
     assert slow["compute_ms"] - base["compute_ms"] >= 5
@@ -268,6 +269,7 @@ def test_a_slow_forward_raises_compute_ms_alone():
     assert abs(slow["framework_ms"] - base["framework_ms"]) < UNMOVED_MS
 
 
+@pytest.mark.alone
 def test_a_slow_callback_raises_framework_ms_alone():
     base, slow = breakdown(), breakdown(None, SlowCallback())
     assert slow["framework_ms"] - base["framework_ms"] >= 10
@@ -275,6 +277,7 @@ def test_a_slow_callback_raises_framework_ms_alone():
     assert abs(slow["compute_ms"] - base["compute_ms"]) < UNMOVED_MS
 
 
+@pytest.mark.alone
 def test_a_slow_batch_raises_data_ms_alone(monkeypatch):
     base = breakdown()
     gather = torch.index_select  # what forms a training batch (experiments.data.loader)
@@ -299,6 +302,7 @@ def ddp_breakdown(run_dir: Path, seconds: float) -> dict:
     return json.loads((run_dir / "metrics.json").read_text())
 
 
+@pytest.mark.alone
 def test_a_slow_rank_raises_the_other_ranks_comm_ms_not_its_compute(tmp_path):
     # Rank 0 computes as fast as ever, then waits in each all-reduce for rank 1, 5 ms slower a step: its comm_ms
     # (experiments.distributed.comm) takes the wait, its compute_ms does not.
@@ -311,6 +315,7 @@ def test_a_slow_rank_raises_the_other_ranks_comm_ms_not_its_compute(tmp_path):
     assert parts == pytest.approx(slow["step_time_ms"])
 
 
+@pytest.mark.alone
 def test_a_slow_save_of_last_ckpt_is_checkpoint_save_ms_not_a_steps_time(run_in_process, tmp_path, monkeypatch):
     # 4 epochs of 8 steps, last.ckpt at each epoch's end: 50 ms more a save would be 6 ms more a step if the step
     # clock counted saves (it leaves them out, as it leaves out validation: experiments.perf).
