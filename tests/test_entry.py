@@ -96,6 +96,7 @@ def test_a_signal_during_the_final_validation_exits_128_plus_n_interrupted(tmp_p
 # ------------------------------------------------------------------------------ timings against a clock
 
 
+@pytest.mark.alone  # the test's clock against the run's: a busy neighbour would delay the start or the exit
 def test_startup_and_wall_time_match_the_users_clock(tmp_path):
     started = time.time()
     result = cli("logger=none", f"hydra.run.dir={tmp_path}", timeout=120)
