@@ -47,11 +47,11 @@ def pytest_runtest_setup(item):
 # test's time is a subprocess starting or a job waiting, so workers overlap the waits. A test file runs on one worker,
 # so that a module's fixtures (a shared run or sweep, a SLURM cluster's check) are made once. (`--dist loadgroup`
 # would split files finer, but pytest-xdist 3.8 cannot group under pytest 9.2: it renames a node id pytest no longer
-# reads.) A test marked `alone` compares
-# timings of one part of a step against another (tests/test_perf.py): no other test runs beside it. Every test holds
-# a lock file shared, an `alone` test exclusively; a turnstile, taken before the lock, keeps new tests from starting
-# while an `alone` one waits for the running ones (overlapping shared holders could otherwise starve it). By hand:
-# neither pytest nor pytest-xdist has a lock across workers.
+# reads.)
+# A test marked `alone` compares timings (test_perf's breakdown, test_entry's clocks): no other test runs beside it.
+# Every test holds a lock file shared, an `alone` test exclusively; a turnstile, taken before the lock, keeps new tests
+# from starting while an `alone` one waits for the running ones (overlapping shared holders could otherwise starve
+# it). By hand: neither pytest nor pytest-xdist has a lock across workers.
 WORKERS_PER_CORE = 2
 LOCKS = "GPU_LAB_TEST_LOCKS"  # the session's lock dir, made by the controller, inherited by the workers
 
@@ -63,8 +63,8 @@ def pytest_configure(config):
 
 
 def pytest_xdist_auto_num_workers(config):
-    """`-n auto`: WORKERS_PER_CORE workers a core, the tests being mostly waits."""
-    return max(2, int(os.environ.get("GPU_LAB_TEST_WORKERS", 0)) or WORKERS_PER_CORE * (os.cpu_count() or 1))
+    """`-n auto`: GPU_LAB_TEST_WORKERS, else WORKERS_PER_CORE workers a core, the tests being mostly waits."""
+    return int(os.environ.get("GPU_LAB_TEST_WORKERS") or WORKERS_PER_CORE * (os.cpu_count() or 1))
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -5,6 +5,7 @@ import math
 import lightning as L
 import torch
 
+from experiments.distributed import comm
 from experiments.run.exits import RunFailed
 
 
@@ -40,11 +41,8 @@ def check_before_saving(trainer: L.Trainer, module: L.LightningModule) -> None:
     finite = [torch.isfinite(t).all() for t in [*module.parameters(), *([] if loss is None else [loss])]]
     ok = bool(torch.stack([f.to(finite[0].device) for f in finite]).all()) if finite else True
     if trainer.world_size > 1:
-        # torch's all-reduce, not `strategy.reduce_boolean_decision`: Lightning's reduce puts a barrier before it
-        # (`_sync_ddp`), one more collective at every save (about 0.5 ms on gloo) for nothing an all-reduce lacks.
         agreed = torch.tensor([int(ok)], device=trainer.strategy.root_device)
-        torch.distributed.all_reduce(agreed, op=torch.distributed.ReduceOp.MIN)
-        ok = bool(agreed.item())
+        ok = bool(comm.agree(agreed, torch.distributed.ReduceOp.MIN).item())  # every rank's weights finite
     if ok:
         return
     lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")

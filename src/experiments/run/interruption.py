@@ -8,6 +8,7 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from experiments import internals
+from experiments.distributed import comm
 from experiments.log_steps import ends_optimizer_step
 from experiments.run.signals import Interrupted, handling_signals, install
 
@@ -75,9 +76,7 @@ class Interruption(Callback):
         (`slurm.requeue_after`), may stop on another rank's SIGUSR1 before its own arrives."""
         received = self.signum  # once: the handler may set it while the all-reduce runs (see the class)
         seen = torch.tensor([received or 0, received == signal.SIGUSR1], device=strategy.root_device)
-        # torch's all-reduce, not `strategy.reduce`: Lightning's puts a barrier before it (`_sync_ddp`), one more
-        # collective a window (about 0.5 ms on gloo) that an all-reduce, which waits for every rank, does not need.
-        torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MAX)
+        comm.agree(seen, torch.distributed.ReduceOp.MAX)
         if seen[0] == 0:
             return None
         return signal.SIGUSR1 if seen[1] else int(seen[0])
