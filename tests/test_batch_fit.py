@@ -130,6 +130,7 @@ def test_the_default_budget_on_the_cpu_is_the_stated_share_of_available_memory()
 # --------------------------------------------------------------------------------------- the same result
 
 
+@pytest.mark.slow
 def test_off_by_default_the_run_is_as_before(runs):
     metrics, run_dir = runs["plain"]
     assert metrics["batch_fit"] is None and OmegaConf.load(RunPaths(run_dir).run_config).batch.effective is None
@@ -150,6 +151,7 @@ def test_when_e_fits_whole_the_probe_leaves_the_maths_bit_identical(runs):
     assert torch.equal(weights(fit_dir), weights(plain_dir))
 
 
+@pytest.mark.slow
 def test_ddp_x2_picks_per_rank_and_ends_with_the_plain_runs_weights(runs, tmp_path):
     args = [*TINY, "trainer.devices=2", f"batch.effective={E}", SMALL_BUDGET, *QUIET, f"hydra.run.dir={tmp_path}"]
     done = subprocess.run(
@@ -221,6 +223,7 @@ def test_eval_scores_the_fitted_run_in_batches_of_its_micro_batch(runs):
     assert result["mse"] == pytest.approx(fit["val_mse"], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_sweep_over_e_fits_each_job_and_results_csv_says_what_it_chose(tmp_path):
     done = cli("-m", *TINY, "batch.effective=128,256", SMALL_BUDGET, *QUIET, f"hydra.sweep.dir={tmp_path}", tiny=False)
     assert done.returncode == 0, done.stderr[-3000:]

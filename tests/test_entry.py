@@ -33,6 +33,7 @@ BAD_INPUT = [
 
 
 @pytest.mark.parametrize(("override", "named"), BAD_INPUT)
+@pytest.mark.slow
 def test_cli_bad_input_is_one_error_line_and_exit_2(tmp_path, override, named):
     extra = ["trainer.devices=3"] if override.startswith("strategy=") else []
     result = cli(override, *extra, f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
@@ -110,6 +111,7 @@ def test_startup_and_wall_time_match_the_users_clock(tmp_path):
     assert metrics["startup_s"] > 1.0  # the imports of torch and Lightning count: the user waited for them
 
 
+@pytest.mark.slow
 def test_each_sweep_job_times_only_itself(tmp_path):
     started = time.time()
     result = cli("-m", *TINY, "logger=none", "seed=0,1,2", f"hydra.sweep.dir={tmp_path}", tiny=False, timeout=180)
@@ -123,6 +125,7 @@ def test_each_sweep_job_times_only_itself(tmp_path):
     assert jobs[0]["startup_s"] > max(job["startup_s"] for job in jobs[1:])  # only the first waited for imports
 
 
+@pytest.mark.slow
 def test_an_interrupted_sweep_job_is_a_row_and_the_sweep_stops(tmp_path):
     long_job = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=2", "logger=csv"]
     command = [sys.executable, "train.py", "-m", *TINY, *long_job, "seed=0,1", f"hydra.sweep.dir={tmp_path}"]

@@ -248,6 +248,7 @@ def test_resume_with_a_checkpoint_of_another_shape_is_refused(trained, tmp_path)
     ],
     ids=["eval-truncated-checkpoint", "predict-beyond-float32", "predict-no-checkpoint", "train-resume-truncated"],
 )
+@pytest.mark.slow
 def test_cli_bad_input_exits_2_with_one_line_and_writes_nothing(trained, tmp_path, script, args, named):
     truncated = tmp_path / "half.ckpt"
     truncated.write_bytes(trained["ckpt"].read_bytes()[:1000])

@@ -46,6 +46,7 @@ COMMANDS = {
 
 
 @pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.slow
 def test_a_command_starts_without_matplotlib(command):
     """A command imports what it runs in Hydra's order (the config's callbacks, then the task) in a fresh process,
     and torchmetrics comes without matplotlib (internals.import_torchmetrics_without_matplotlib: 0.3 s of each

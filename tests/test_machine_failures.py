@@ -63,6 +63,7 @@ def loss_steps(run_dir: Path) -> list[int]:
 # ------------------------------------------------------------------------------------- a hard kill (SIGKILL)
 
 
+@pytest.mark.slow
 def test_a_run_killed_with_sigkill_resumes_from_its_last_epoch_bit_for_bit(tmp_path):
     reference = tmp_path / "reference"
     assert cli(*LONG, f"hydra.run.dir={reference}").returncode == 0
@@ -100,6 +101,7 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_epoch_bit_for_bit(tmp_p
     assert loss_steps(run_dir) == loss_steps(reference)
 
 
+@pytest.mark.slow
 def test_a_run_killed_before_its_first_checkpoint_starts_over_with_one_curve(tmp_path):
     args = ["data.num_samples=20000", "trainer.max_epochs=1"]  # 250 steps before the first save
     reference = tmp_path / "reference"
@@ -119,6 +121,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_with_one_curve(tmp
     assert [k for k in uninterrupted if not torch.equal(resumed[k], uninterrupted[k])] == []
 
 
+@pytest.mark.slow
 def test_last_ckpt_is_written_every_epoch_and_every_n_steps_when_asked(tmp_path):
     # TINY: 2 epochs of 8 steps. Default: each epoch's end. every_n_train_steps=3: steps 3, 6, ..., 15 too.
     by_epoch = cli(f"hydra.run.dir={tmp_path / 'epochs'}")
@@ -133,6 +136,7 @@ def test_last_ckpt_is_written_every_epoch_and_every_n_steps_when_asked(tmp_path)
 # ------------------------------------------------------------------------------------ two runs in one dir
 
 
+@pytest.mark.slow
 def test_a_second_run_in_a_busy_dir_is_refused_naming_the_holder_and_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
     holder = start(*ENDLESS, f"hydra.run.dir={run_dir}", log=tmp_path / "holder.log")
@@ -165,6 +169,7 @@ def test_a_second_run_in_a_busy_dir_is_refused_naming_the_holder_and_writes_noth
     assert starts(run_dir)[1]["resumed_from"]["global_step"] > 0
 
 
+@pytest.mark.slow
 def test_a_ddp_run_holds_its_dir_from_rank_0(tmp_path):
     run_dir = tmp_path / "run"
     holder = start(*ENDLESS, "trainer.devices=2", f"hydra.run.dir={run_dir}", log=tmp_path / "holder.log")
@@ -179,6 +184,7 @@ def test_a_ddp_run_holds_its_dir_from_rank_0(tmp_path):
     assert json.loads((run_dir / "metrics.json").read_text())["status"] == "interrupted"
 
 
+@pytest.mark.slow
 def test_a_second_sweep_in_a_busy_sweep_dir_is_refused_and_writes_nothing(tmp_path):
     sweep = tmp_path / "sweep"
     command = [sys.executable, "train.py", "-m", *TINY, *ENDLESS, "optimizer.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"]
@@ -200,6 +206,7 @@ def test_a_second_sweep_in_a_busy_sweep_dir_is_refused_and_writes_nothing(tmp_pa
         first.wait()
 
 
+@pytest.mark.slow
 def test_a_requeued_slurm_job_waits_for_its_previous_start_and_another_job_is_refused(tmp_path):
     run_dir = tmp_path / "run"
     hold = "import sys, time\nfrom experiments.run import lock\nlock.acquire(sys.argv[1])\nprint('held', flush=True)\n"
@@ -252,6 +259,7 @@ def test_a_disk_that_fills_at_a_checkpoint_is_one_line_and_the_last_complete_one
     assert [k for k in uninterrupted if not torch.equal(resumed[k], uninterrupted[k])] == []
 
 
+@pytest.mark.slow
 def test_a_disk_that_fills_with_tensorboard_events_is_one_line(tmp_path, tmpfs):
     # Checkpoints only at the end: the event file, written at every step, is what fills the disk.
     args = [*ENDLESS, "checkpoint.every_n_epochs=0"]
@@ -269,6 +277,7 @@ def test_a_disk_that_fills_with_tensorboard_events_is_one_line(tmp_path, tmpfs):
 
 
 @pytest.mark.parametrize("command", ["eval.py", "predict.py"])
+@pytest.mark.slow
 def test_a_full_disk_under_eval_and_predict_is_one_line_and_leaves_nothing(tmp_path, tmpfs, command):
     run_dir = tmp_path / "run"
     table = tmp_path / "new.npy"
@@ -315,6 +324,7 @@ def test_a_data_file_larger_than_memory_is_refused_before_it_is_read(tmp_path):
     assert not run_dir.exists()
 
 
+@pytest.mark.slow
 def test_a_model_larger_than_memory_is_refused_before_it_is_built(tmp_path):
     path, run_dir = tmp_path / "small.csv", tmp_path / "run"
     path.write_text("a,b,c,y\n" + "".join(f"{i},{i % 3},{i % 5},{i}\n" for i in range(200)))
@@ -391,6 +401,7 @@ def test_on_a_gpu_weights_that_diverged_between_log_steps_never_reach_a_checkpoi
     assert all(torch.isfinite(t).all() for t in last["state_dict"].values())
 
 
+@pytest.mark.slow
 def test_a_full_disk_under_results_csv_stops_the_sweep_with_one_line(tmp_path, tmpfs):
     # A filesystem out of inodes (file entries) refuses a new file as a full one does (ENOSPC). A sweep of one
     # job on a tmpfs with one inode fewer than the sweep uses runs out at its last new file: results.csv's.
@@ -422,6 +433,7 @@ def test_a_full_disk_under_results_csv_stops_the_sweep_with_one_line(tmp_path, t
     ],
     ids=["run", "sweep", "eval", "predict"],
 )
+@pytest.mark.slow
 def test_a_run_dir_on_a_read_only_file_system_is_one_line_exit_2_nothing_written(tmp_path, tmpfs, command):
     disk = tmpfs(1 << 20)  # a real mount, read-only: root's permissions do not pass it (chmod would not stop root)
     subprocess.run(["mount", "-o", "remount,ro", str(disk)], check=True, capture_output=True)

@@ -196,6 +196,7 @@ def debug_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["fdr", "profiler"])
+@pytest.mark.slow
 def test_cli_debug_runs_land_under_outputs_debug(debug_runs, mode):
     cwd, results = debug_runs
     result = results[mode]
@@ -209,6 +210,7 @@ def test_cli_debug_runs_land_under_outputs_debug(debug_runs, mode):
         assert json.loads((run_dir / "metrics.json").read_text())["global_step"] == 1
 
 
+@pytest.mark.slow
 def test_debug_runs_never_become_ckpt_path_last(debug_runs):
     cwd, _ = debug_runs
     result = run_cli(cwd, "ckpt_path=last")
@@ -245,6 +247,7 @@ EPOCH_LINE = re.compile(
 )
 
 
+@pytest.mark.slow
 def test_a_log_file_gets_a_line_per_epoch_never_a_redraw(tmp_path):
     # stdout a pipe, as under SLURM, nohup or CI: no bar, no carriage return, no model-summary table.
     done = cli("trainer.enable_progress_bar=true", f"hydra.run.dir={tmp_path / 'run'}")
@@ -255,6 +258,7 @@ def test_a_log_file_gets_a_line_per_epoch_never_a_redraw(tmp_path):
     assert "Total params" not in printed  # Lightning's model summary: only when asked for
 
 
+@pytest.mark.slow
 def test_a_terminal_gets_the_bar_and_the_model_summary_when_asked(tmp_path):
     leader, follower = pty.openpty()  # a terminal for the run's stdout and stderr, 120 columns wide
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))

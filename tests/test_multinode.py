@@ -111,7 +111,7 @@ def log(tmp_path: Path, name: str) -> str:
 WIDE = ["data.num_features=1024", "data.num_samples=2048"]
 
 
-@pytest.mark.parametrize("tasks", [1, 2])
+@pytest.mark.parametrize("tasks", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_sbatch_ddp_across_two_nodes(tmp_path, tasks):
     before = veth_bytes()
     job = submit(tmp_path, "ddp", *WIDE, nodes=2, tasks=tasks)
@@ -177,6 +177,7 @@ def assert_resumed_bit_for_bit(run_dir: Path, reference: Path) -> None:
 
 
 @pytest.mark.parametrize("preemption", ["scontrol requeue", "SIGUSR1"])
+@pytest.mark.slow
 def test_a_preempted_two_node_job_is_requeued_and_resumes_bit_for_bit(tmp_path, uninterrupted, preemption):
     name = "preempted-" + preemption.split()[-1].lower()
     run_dir = tmp_path / name
@@ -226,12 +227,14 @@ def last_epoch_checkpoint(run_dir: Path) -> int:
 
 
 @pytest.mark.parametrize("loss", ["the job's processes killed", "slurmd stopped"])
+@pytest.mark.slow
 def test_a_lost_node_ends_the_other_rank_and_the_job_resumes_bit_for_bit(tmp_path, uninterrupted, loss):
     name = "lost-" + loss.split()[-1]
     run_dir = tmp_path / name
-    # SLURM takes 20-30 s to mark a silent node DOWN, longer than what is left of LONG on a quiet machine: rank 1
-    # sleeps 5 ms a step (the same weights) so that the run is still going when the job is requeued.
-    paced = ["model._target_=slow_rank.SlowOnRankOne", "+model.seconds=0.005"] if loss == "slurmd stopped" else []
+    # SLURM takes 20-30 s to mark a silent node DOWN, longer than what is left of LONG on a quiet machine: in its
+    # first start rank 1 sleeps 5 ms a step (the same weights), so that the run is still going when it is requeued.
+    paced = ["model._target_=slow_rank.SlowOnRankOne", "+model.seconds=0.005", "+model.first_start_only=true"]
+    paced = paced if loss == "slurmd stopped" else []
     job = submit(tmp_path, name, *LONG, *paced, environment=with_tests_on_path())
     wait_until(lambda: last_epoch_checkpoint(run_dir) > 0, "the first epoch's checkpoint")
     lost_at = time.monotonic()
@@ -285,6 +288,7 @@ def on_node(node: int, command: list[str]) -> list[str]:
     return [*net, "sh", "-c", f'hostname n{node} && exec "$@"', "sh", *command]
 
 
+@pytest.mark.slow
 def test_torchrun_from_each_node_gives_the_weights_of_one_device(tmp_path):
     """docs/strategies.md's two-node torchrun command, run on n1 (--node-rank 0, its address as master) and n2."""
     run_dir, before = tmp_path / "torchrun", veth_bytes()
@@ -319,6 +323,7 @@ def test_torchrun_from_each_node_gives_the_weights_of_one_device(tmp_path):
     print(f"\ntorchrun on n1 and n2: bytes through the veths {moved}, weight difference to one device {difference:.2e}")
 
 
+@pytest.mark.slow
 def test_a_submitit_sweep_of_two_node_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     command = [sys.executable, "train.py", "-m", *TINY, "trainer.accelerator=cpu", "optimizer.lr=0.01,0.02"]

@@ -159,6 +159,7 @@ def test_blockwise_least_squares_matches_the_full_solve_even_when_rank_deficient
     np.testing.assert_allclose(b.numpy(), expected[-1], rtol=1e-8, atol=1e-10)
 
 
+@pytest.mark.slow
 def test_benchmark_quick_prints_its_table():
     command = [sys.executable, "scripts/benchmark.py", "--quick"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -176,6 +177,7 @@ def test_benchmark_quick_prints_its_table():
     assert " ms a save (mean of 3), " in cost and "% of the epoch's" in cost
 
 
+@pytest.mark.slow
 def test_benchmark_ddp_quick_prints_its_table():
     # Every side of `--ddp` runs (raw DDP x2, `train.py trainer.devices=2`), whole processes; tiny, so its figures are
     # noise: the test checks the table's shape and the project's own figures, not the ratios.
@@ -192,6 +194,7 @@ def test_benchmark_ddp_quick_prints_its_table():
     assert any(line.startswith("gloo all_reduce of the seed's 17 gradients, timed alone: ") for line in lines)
 
 
+@pytest.mark.slow
 def test_benchmark_of_the_options_runs_every_variant():
     command = [sys.executable, "scripts/benchmark_options.py", "--quick"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -303,6 +306,7 @@ def ddp_breakdown(run_dir: Path, seconds: float) -> dict:
 
 
 @pytest.mark.alone
+@pytest.mark.slow
 def test_a_slow_rank_raises_the_other_ranks_comm_ms_not_its_compute(tmp_path):
     # Rank 0 computes as fast as ever, then waits in each all-reduce for rank 1, 5 ms slower a step: its comm_ms
     # (experiments.distributed.comm) takes the wait, its compute_ms does not.

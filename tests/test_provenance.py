@@ -16,6 +16,7 @@ from pathlib import Path
 import hydra
 import lightning
 import numpy as np
+import pytest
 import torch
 import torchmetrics
 from conftest import ROOT, TINY, cli
@@ -26,6 +27,7 @@ def git(repo: Path, *args: str) -> str:
     return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True).stdout
 
 
+@pytest.mark.slow
 def test_a_sweep_job_from_a_dirty_checkout_records_its_code_packages_command_machine_and_data(tmp_path):
     # A clone of this commit, changed and not committed, run with its own code (PYTHONPATH before the install).
     clone = tmp_path / "clone"
@@ -69,6 +71,7 @@ def test_a_sweep_job_from_a_dirty_checkout_records_its_code_packages_command_mac
     assert row["git_commit"] == code["commit"] and row["git_dirty"] == "True"
 
 
+@pytest.mark.slow
 def test_eval_and_predict_name_the_checkpoint_and_what_trained_it(tmp_path):
     data = tmp_path / "train.csv"
     rng = np.random.default_rng(0)
@@ -99,6 +102,7 @@ def test_eval_and_predict_name_the_checkpoint_and_what_trained_it(tmp_path):
     assert scored["data"]["fingerprint"] == entry["data"]
 
 
+@pytest.mark.slow
 def test_a_resume_on_other_code_says_so_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
     args = ["trainer.max_epochs=40", f"hydra.run.dir={run_dir}"]

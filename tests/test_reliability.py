@@ -130,12 +130,14 @@ def test_divergence_stops_at_the_step_with_a_hint(tmp_path):
     assert step < 10 * 8  # it stopped early, not at the end of training
 
 
+@pytest.mark.slow
 def test_cli_divergence_exits_1_with_the_message(tmp_path):
     result = cli("optimizer.lr=10000", "trainer.max_epochs=10", f"hydra.run.dir={tmp_path / 'run'}", timeout=60)
     assert result.returncode == 1
     assert "error: training diverged" in result.stderr and "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 def test_in_a_sweep_only_the_diverged_job_fails(tmp_path):
     command = [sys.executable, "train.py", "-m", *TINY, "optimizer.lr=0.05,10000", f"hydra.sweep.dir={tmp_path}"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
@@ -286,6 +288,7 @@ def wait_for_steps(run_dir: Path, process: subprocess.Popen, steps: int = 100, t
     ("signum", "resume_with"),
     [pytest.param(signal.SIGTERM, "file", id="SIGTERM-file"), pytest.param(signal.SIGINT, "last", id="SIGINT-last")],
 )
+@pytest.mark.slow
 def test_cli_signal_mid_epoch_then_resume_is_exact(tmp_path, uninterrupted, signum, resume_with):
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -348,6 +351,7 @@ def _agreeing_rank(rank: int, tmp_path: Path) -> None:
     torch.distributed.destroy_process_group()
 
 
+@pytest.mark.slow
 def test_a_signal_during_the_ranks_agreement_stops_every_rank_at_the_next_step(tmp_path):
     """Handled on rank 0 as its all-reduce returns, the signal is not a stop there alone (rank 0 would wait in
     the checkpoint's barrier, rank 1 in the next step's collectives: a hang, then SLURM's SIGKILL, nothing
@@ -382,6 +386,7 @@ LOST_LINE = (
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux's /proc")
 @pytest.mark.parametrize("victim", ["rank 1", "rank 0"])
+@pytest.mark.slow
 def test_a_killed_ddp_rank_ends_the_whole_job_in_one_line_and_resumes_exactly(tmp_path, victim, uninterrupted_ddp):
     run_dir = tmp_path / "run"
     process = start(run_dir, *KILLED_DDP)
@@ -477,6 +482,7 @@ DDP_WINDOWS = ["trainer.devices=2", "trainer.log_every_n_steps=25"]
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux's /proc")
 @pytest.mark.parametrize("victim", ["rank 1", "rank 0"])
+@pytest.mark.slow
 def test_a_signal_to_one_ddp_rank_stops_both_at_a_window_end_and_resumes_exactly(tmp_path, victim):
     runs = tmp_path / "runs"
     runs.mkdir()
@@ -509,6 +515,7 @@ def test_a_signal_to_one_ddp_rank_stops_both_at_a_window_end_and_resumes_exactly
 
 
 @pytest.mark.parametrize("sender", [0, 1], ids=["rank 0 signals rank 1", "rank 1 signals rank 0"])
+@pytest.mark.slow
 def test_a_signal_during_the_ranks_agreement_stops_both_a_window_later(tmp_path, sender):
     """The CLI's DDP run, the signal landing on one rank while it waits in the agreement at step 50's window end
     (tests/signal_rank.py): not a stop there alone (a hang: one rank in the checkpoint's barrier, the other in the

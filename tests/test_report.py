@@ -76,6 +76,7 @@ def test_report_of_one_run(sweep):
     assert text.count("| 1 | completed | ") == 1 and (run_dir / "report" / "loss_curves.png").is_file()
 
 
+@pytest.mark.slow
 def test_report_of_a_dir_without_runs_is_a_one_line_error(tmp_path):
     done = report(tmp_path)
     assert done.returncode != 0
@@ -216,6 +217,7 @@ def missed_sweep(tmp_path_factory):
     return sweep_dir
 
 
+@pytest.mark.slow
 def test_a_job_that_missed_the_target_is_in_the_table_and_marked_on_the_plot(missed_sweep, tmp_path, monkeypatch):
     plotted = {}
     real_save = reports.save

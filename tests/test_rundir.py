@@ -77,6 +77,7 @@ def test_an_interrupted_run_started_again_in_its_dir_resumes_exactly(tmp_path, m
             assert steps[tag] == reference_tag_steps, tag
 
 
+@pytest.mark.slow
 def test_a_completed_run_started_again_does_nothing_and_says_so(tmp_path):
     run_dir = tmp_path / "run"
     args = ("trainer.max_epochs=1", f"hydra.run.dir={run_dir}")
@@ -98,6 +99,7 @@ def test_a_completed_run_started_again_does_nothing_and_says_so(tmp_path):
     assert snapshot(run_dir) == before
 
 
+@pytest.mark.slow
 def test_bad_input_in_a_run_dir_leaves_nothing_behind(tmp_path):
     # Refused by a check, and by a check once the data is read: not even Hydra's .hydra/ and log file are left.
     run_dir = tmp_path / "run"
@@ -126,6 +128,7 @@ def test_same_config_ignores_how_a_run_is_started_not_what_it_trains():
     assert identity(compose_config("trainer.devices=2")) != base
 
 
+@pytest.mark.slow
 def test_a_sweep_stopped_in_its_second_job_and_run_again_completes_every_job(tmp_path):
     sweep = tmp_path / "sweep"
     command = [sys.executable, "train.py", "-m", *TINY, "data.num_samples=1000", "data.batch_size=4"]

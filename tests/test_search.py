@@ -95,6 +95,7 @@ def test_optuna_search_records_every_trial_and_goes_on_past_a_failed_one(failed_
     assert best.best_value == pytest.approx(min(float(r["val_mse"]) for r in rows if r["status"] == "completed"))
 
 
+@pytest.mark.slow
 def test_a_sweep_dir_is_refused_to_a_study_that_did_not_run_its_jobs(failed_trial_search):
     before = (failed_trial_search / "results.csv").read_bytes()
     result = search(failed_trial_search, "hydra.sweeper.study_name=other", "optimizer=sgd")
@@ -104,6 +105,7 @@ def test_a_sweep_dir_is_refused_to_a_study_that_did_not_run_its_jobs(failed_tria
     assert (failed_trial_search / "results.csv").read_bytes() == before
 
 
+@pytest.mark.slow
 def test_optuna_search_with_ddp_trials(tmp_path):
     # Each trial's two ranks join that trial's job: two jobs, no nested search.
     result = search(tmp_path / "sweep", "hydra.sweeper.n_trials=2", "trainer.devices=2", "optimizer=sgd")
@@ -114,6 +116,7 @@ def test_optuna_search_with_ddp_trials(tmp_path):
     assert [t.state for t in study_of(tmp_path / "sweep").trials] == [TrialState.COMPLETE] * 2
 
 
+@pytest.mark.slow
 def test_a_grid_search_runs_each_point_once(tmp_path):
     space = ("hydra/sweeper/optuna_sampler=grid", "optimizer=sgd", "optimizer.lr=choice(0.01,0.05)")
     result = search(tmp_path / "sweep", "hydra.sweeper.n_trials=20", *space)  # capped at the grid's 2 points
@@ -124,6 +127,7 @@ def test_a_grid_search_runs_each_point_once(tmp_path):
     assert_study_and_results_agree(tmp_path / "sweep")
 
 
+@pytest.mark.slow
 def test_a_search_run_again_continues_its_study_and_a_killed_trial_becomes_failed(tmp_path):
     sweep_dir = tmp_path / "sweep"
     space = ("optimizer=sgd", "optimizer.lr=interval(0.01,0.1)")
@@ -160,6 +164,7 @@ def test_a_search_run_again_continues_its_study_and_a_killed_trial_becomes_faile
     assert len(set(params)) == 4
 
 
+@pytest.mark.slow
 def test_a_study_written_by_optuna_2_10_is_refused_until_upgraded(tmp_path):
     db = tmp_path / "old.db"
     with sqlite3.connect(db) as connection:
@@ -282,6 +287,7 @@ def test_the_dashboard_serves_the_study_with_its_complete_and_failed_trials(dash
         assert ("diverged" in attrs.get("error", "")) == (trial["state"] == "Fail")
 
 
+@pytest.mark.slow
 def test_a_person_sees_the_trial_list(dashboard, failed_trial_search, browser, screenshots):
     page = browser.new_page(viewport={"width": 1400, "height": 760})
     page.goto(dashboard + "/dashboard/studies/1/trials")

@@ -84,6 +84,7 @@ def uninterrupted(tmp_path_factory):
 
 
 @pytest.mark.parametrize("preemption", ["scontrol requeue", "SIGUSR1"])
+@pytest.mark.slow
 def test_a_preempted_job_is_requeued_and_resumes_bit_for_bit(tmp_path, uninterrupted, preemption):
     name = "preempted-" + preemption.split()[-1].lower()
     run_dir = tmp_path / name
@@ -117,6 +118,7 @@ def test_a_preempted_job_is_requeued_and_resumes_bit_for_bit(tmp_path, uninterru
     assert [k for k in uninterrupted if not torch.equal(resumed[k], uninterrupted[k])] == []
 
 
+@pytest.mark.slow
 def test_submitit_slurm_sweep_of_ddp_jobs(tmp_path):
     sweep = tmp_path / "sweep"
     command = [sys.executable, "train.py", "-m", *TINY, "trainer.accelerator=cpu", "optimizer.lr=0.01,0.02"]

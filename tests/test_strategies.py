@@ -162,11 +162,13 @@ def runs(tmp_path_factory) -> dict:
 
 
 @pytest.mark.parametrize("name", ["single_64x4", "ddp_256", "ddp_64x4"])
+@pytest.mark.slow
 def test_final_weights_equal_single_device(runs, name):
     assert relative_difference(weights(runs[name]), weights(runs["single_256"])) <= 1e-5
 
 
 @pytest.mark.parametrize("name", ["ddp_64_w7", "ddp_64_w50", "ddp_16x4_w3", "ddp_spawn_64_w7", "torchrun_2x1_64_w7"])
+@pytest.mark.slow
 def test_windows_of_steps_under_ddp_equal_single_device(runs, name):
     # 64 optimizer steps, in windows of up to 3, 7 or 50 steps after the warm-up (the windows of both ranks
     # computed from the same position, with no collective but the gradients' all-reduce of each step).
@@ -178,10 +180,12 @@ def test_windows_of_steps_under_ddp_equal_single_device(runs, name):
     assert relative_difference(weights(runs[name]), weights(runs["single_64"])) <= 1e-5
 
 
+@pytest.mark.slow
 def test_a_different_batch_gives_different_weights(runs):
     assert relative_difference(weights(runs["single_128"]), weights(runs["single_256"])) > 1e-3
 
 
+@pytest.mark.slow
 def test_windows_under_ddp_schedule_and_stop_early_as_one_device(runs):
     ddp, one = metrics(runs["ddp_64_w7_sched_es"]), metrics(runs["single_64_sched_es"])
     assert [(m["global_step"], m["stopped_epoch"], m["stop_reason"]) for m in (ddp, one)] == [
@@ -190,6 +194,7 @@ def test_windows_under_ddp_schedule_and_stop_early_as_one_device(runs):
     assert relative_difference(weights(runs["ddp_64_w7_sched_es"]), weights(runs["single_64_sched_es"])) <= 1e-5
 
 
+@pytest.mark.slow
 def test_windows_under_ddp_log_at_the_steps_of_one_device(runs, tmp_path):
     train(compose_config(*WINDOWED, "trainer.log_every_n_steps=7"), tmp_path / "one")
     ddp, one = (EventAccumulator(str(d / "tensorboard")).Reload() for d in (runs["ddp_64_w7"], tmp_path / "one"))
@@ -209,6 +214,7 @@ def test_windows_under_ddp_log_at_the_steps_of_one_device(runs, tmp_path):
         ("torchrun_2x1_64_w7", "ddp", 2, 2),
     ],
 )
+@pytest.mark.slow
 def test_ddp_runs_record_their_ranks(runs, name, strategy, world_size, num_nodes):
     record = metrics(runs[name])
     assert (record["status"], record["world_size"], record["num_nodes"]) == ("completed", world_size, num_nodes)
@@ -221,6 +227,7 @@ def test_ddp_runs_record_their_ranks(runs, name, strategy, world_size, num_nodes
 
 
 @pytest.mark.parametrize("name", ["ddp_256", "ddp_64x4", "torchrun_2x1_64_w7"])
+@pytest.mark.slow
 def test_only_rank_zero_writes(runs, name):
     run_dir = runs[name]
     assert len(event_file_pids(run_dir)) == 1  # a rank > 0 writing TensorBoard files would add its pid
@@ -229,6 +236,7 @@ def test_only_rank_zero_writes(runs, name):
     assert sorted(p.parent.name for p in run_dir.rglob("config.yaml")) == [".hydra", ".run-hydra"]
 
 
+@pytest.mark.slow
 def test_torchrun_ranks_make_one_run_dir(runs):
     # Rank 1 ran Hydra in the same working directory: it made no dir, config or log of its own.
     cwd = runs["torchrun_cwd"]
@@ -237,6 +245,7 @@ def test_torchrun_ranks_make_one_run_dir(runs):
 
 
 @pytest.mark.parametrize("launcher", ["basic", "joblib"])
+@pytest.mark.slow
 def test_ddp_multirun_makes_one_sweep(runs, launcher):
     sweep = runs[f"{launcher}_sweep"]
     assert runs[f"{launcher}_output"].count("#0 : ") == 1  # a rank that re-ran the sweep would launch job 0 again
@@ -253,6 +262,7 @@ def test_ddp_multirun_makes_one_sweep(runs, launcher):
     assert not runs["repo_outputs_changed"]
 
 
+@pytest.mark.slow
 def test_dp_without_cuda_stops_before_any_work(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA")
@@ -263,6 +273,7 @@ def test_dp_without_cuda_stops_before_any_work(tmp_path):
     assert not (tmp_path / "metrics.json").exists() and not (tmp_path / "checkpoints").exists()
 
 
+@pytest.mark.slow
 def test_batch_must_split_over_the_ranks_cli(tmp_path):
     result = cli("trainer.devices=3", "data.batch_size=64", f"hydra.run.dir={tmp_path}")
     assert result.returncode != 0 and "Traceback" not in result.stderr
@@ -329,6 +340,7 @@ def test_ranks_above_zero_run_hydra_silently(monkeypatch, env, silent):
     assert "hydra.run.dir=." not in silent_rank_overrides(["hydra.run.dir=/a/run"])
 
 
+@pytest.mark.slow
 def test_dataparallel_code_path_on_cpu_equals_single_device(runs, tmp_path, monkeypatch):
     # Without CUDA, torch.nn.DataParallel calls the module directly: this runs the strategy's path (the module's
     # windows of steps with the net's forward pass through DataParallel) and its logging, though not the scatter.

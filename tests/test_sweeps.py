@@ -28,6 +28,7 @@ def joblib_sweep(tmp_path_factory):
     return done, sweep_dir
 
 
+@pytest.mark.slow
 def test_joblib_sweep_runs_four_jobs_two_at_a_time(joblib_sweep):
     done, sweep_dir = joblib_sweep
     assert done.returncode == 0, done.stderr[-3000:]
@@ -39,6 +40,7 @@ def test_joblib_sweep_runs_four_jobs_two_at_a_time(joblib_sweep):
     assert all(row["error"] == "" and float(row["samples_per_sec"]) > 0 for row in rows)
 
 
+@pytest.mark.slow
 def test_parallel_jobs_keep_to_their_own_directories(joblib_sweep):
     _, sweep_dir = joblib_sweep
     assert sorted(p.name for p in sweep_dir.iterdir()) == [".lock", ".results.lock", "0", "1", "2", "3",
@@ -66,6 +68,7 @@ def test_a_failing_job_does_not_stop_the_others(tmp_path):
     assert completed["error"] == "" and float(completed["val_mse"]) > 0
 
 
+@pytest.mark.slow
 def test_a_diverging_job_fails_alone(tmp_path):
     # A huge learning rate makes the loss non-finite within a few steps: that job fails, the next one runs.
     sweep_dir = tmp_path / "sweep"
@@ -78,6 +81,7 @@ def test_a_diverging_job_fails_alone(tmp_path):
     assert (completed["optimizer.lr"], completed["status"]) == ("0.05", "completed")
 
 
+@pytest.mark.slow
 def test_submitit_local_sweep_completes(tmp_path):
     sweep_dir = tmp_path / "sweep"
     done = cli("optimizer.lr=0.01,0.1", "hydra/launcher=submitit_local", f"hydra.sweep.dir={sweep_dir}", "--multirun")
@@ -86,6 +90,7 @@ def test_submitit_local_sweep_completes(tmp_path):
     assert (sweep_dir / ".submitit").is_dir()
 
 
+@pytest.mark.slow
 def test_tensorboard_server_lists_every_job_by_what_the_sweep_varies(joblib_sweep):
     _, sweep_dir = joblib_sweep
     with tensorboard_server(sweep_dir, runs=len(LEARNING_RATES)) as url:

@@ -118,6 +118,7 @@ def test_the_reports_plots_are_tensorboard_images(server, sweep):
 # In the browser ---------------------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_a_person_sees_curves_named_runs_and_the_swept_knob(server, browser, screenshots):
     page = browser.new_page(viewport={"width": 1400, "height": 900})
     page.goto(server + "#timeseries")

@@ -94,6 +94,7 @@ def test_tiny_run_reaches_the_optimum(run_in_process):
 
 
 @pytest.mark.parametrize(("experiment", "samples"), [("seed_small", 10), ("seed_large", 1000)])
+@pytest.mark.slow
 def test_seed_experiments_run(run_in_process, experiment, samples):
     metrics, _ = run_in_process(
         f"experiment={experiment}", "logger=none", "trainer.enable_progress_bar=false", tiny=False
