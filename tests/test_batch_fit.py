@@ -130,7 +130,6 @@ def test_the_default_budget_on_the_cpu_is_the_stated_share_of_available_memory()
 # --------------------------------------------------------------------------------------- the same result
 
 
-@pytest.mark.slow
 def test_off_by_default_the_run_is_as_before(runs):
     metrics, run_dir = runs["plain"]
     assert metrics["batch_fit"] is None and OmegaConf.load(RunPaths(run_dir).run_config).batch.effective is None

@@ -196,7 +196,6 @@ def debug_runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("mode", ["fdr", "profiler"])
-@pytest.mark.slow
 def test_cli_debug_runs_land_under_outputs_debug(debug_runs, mode):
     cwd, results = debug_runs
     result = results[mode]

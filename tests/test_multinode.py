@@ -32,8 +32,8 @@ MASTER_PORT = os.environ.get("GPU_LAB_MASTER_PORT", "29700")  # torchrun's, on n
 N1_ADDRESS = os.environ.get("GPU_LAB_NET", "10.88.0") + ".11"  # torchrun's master
 
 
-def env() -> dict:
-    return {**os.environ, "SLURM_CONF": str(DIR / "slurm.conf")}
+def env(base: dict | None = None) -> dict:
+    return {**(base or os.environ), "SLURM_CONF": str(DIR / "slurm.conf")}
 
 
 def script(*args: str) -> subprocess.CompletedProcess:
@@ -59,12 +59,11 @@ def slurm(*command: str, check: bool = True) -> str:
     return done.stdout.strip()
 
 
-def submit(tmp_path: Path, name: str, *args: str, nodes: int = 2, tasks: int = 1, environment=None) -> str:
+def submit(tmp_path: Path, name: str, *args: str, nodes: int = 2, tasks: int = 1, base=None) -> str:
     command = ["sbatch", "--parsable", f"--job-name={name}", f"--output={tmp_path}/{name}-%j.out"]
     command += [f"--nodes={nodes}", f"--ntasks-per-node={tasks}", "scripts/slurm.sbatch", "trainer.accelerator=cpu"]
     command += [*TINY, *args, f"hydra.run.dir={tmp_path / name}"]
-    environment = {**(environment or os.environ), "SLURM_CONF": str(DIR / "slurm.conf")}
-    done = subprocess.run(command, cwd=ROOT, env=environment, capture_output=True, text=True, timeout=60, check=True)
+    done = subprocess.run(command, cwd=ROOT, env=env(base), capture_output=True, text=True, timeout=60, check=True)
     return done.stdout.strip().split(";")[0]
 
 
@@ -235,7 +234,7 @@ def test_a_lost_node_ends_the_other_rank_and_the_job_resumes_bit_for_bit(tmp_pat
     # first start rank 1 sleeps 5 ms a step (the same weights), so that the run is still going when it is requeued.
     paced = ["model._target_=slow_rank.SlowOnRankOne", "+model.seconds=0.005", "+model.first_start_only=true"]
     paced = paced if loss == "slurmd stopped" else []
-    job = submit(tmp_path, name, *LONG, *paced, environment=with_tests_on_path())
+    job = submit(tmp_path, name, *LONG, *paced, base=with_tests_on_path())
     wait_until(lambda: last_epoch_checkpoint(run_dir) > 0, "the first epoch's checkpoint")
     lost_at = time.monotonic()
     if loss == "slurmd stopped":
