@@ -12,6 +12,7 @@ slurmstepd, and a node whose processes died (or that died) never sends it, so th
 limit with no rank left.
 """
 
+import atexit
 import os
 import signal
 import subprocess
@@ -45,13 +46,19 @@ def requeue_after(signum: int) -> None:
 
 def end_step_after(err: BaseException) -> None:
     """After gloo's error for a lost peer (or distributed.lost_rank's line, which keeps gloo's words), in a SLURM
-    step of several tasks: cancel the step. srun then stops waiting for the lost node's tasks after KillWait and
-    exits non-zero, and the job ends FAILED (a node that SLURM itself finds down is requeued: --requeue)."""
+    step of several tasks: cancel the step as this process exits. srun then stops waiting for the lost node's tasks
+    after KillWait and exits non-zero, and the job ends FAILED (a node that SLURM itself finds down is requeued:
+    --requeue). At the exit, not at once: the cancel also ends this rank within KillWait, and on a busy node the run's
+    record, its summary and its `error: lost rank` line could take longer than that."""
     job, step = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_STEP_ID")
     if job is None or step is None or int(os.environ.get("SLURM_NTASKS", "1")) < 2:
         return
     if peer_gone(err) is None:
         return
+    atexit.register(_cancel_step, job, step)
+
+
+def _cancel_step(job: str, step: str) -> None:
     try:
         subprocess.run(["scancel", "--quiet", f"{job}.{step}"], capture_output=True, timeout=30)
     except (OSError, subprocess.TimeoutExpired):
