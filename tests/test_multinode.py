@@ -135,10 +135,10 @@ def test_sbatch_ddp_across_two_nodes(tmp_path, tasks):
     print(f"nodes' veths {moved}, largest weight difference to one device {difference:.2e}")
 
 
-# 200 steps an epoch over 2 ranks, 40 epochs, so that a signal or a lost node lands mid-run; momentum: optimizer
+# 200 steps an epoch over 2 ranks, 20 epochs, so that a signal or a lost node lands mid-run; momentum: optimizer
 # state to restore. The reference is the same two-node job, uninterrupted: resumes must give its weights bit
 # for bit (one device sums the gradients in another order).
-LONG = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=40", "optimizer.momentum=0.9"]
+LONG = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=20", "optimizer.momentum=0.9"]
 LONG += ["optimizer.lr=0.01"]
 
 
@@ -188,7 +188,7 @@ def test_a_preempted_two_node_job_is_requeued_and_resumes_bit_for_bit(tmp_path, 
         slurm("scontrol", "requeue", job)
     wait_until(lambda: metrics(run_dir).get("status") == "interrupted" or state(job) == "", "the stop")
     interrupted = metrics(run_dir)
-    assert interrupted.get("status") == "interrupted" and 0 < interrupted["global_step"] < 8000, log(tmp_path, name)
+    assert interrupted.get("status") == "interrupted" and 0 < interrupted["global_step"] < 4000, log(tmp_path, name)
     wait_until(lambda: start_if_pending(job) or metrics(run_dir).get("status") == "completed", "the resumed run")
     wait_until(lambda: state(job) == "", "the job to leave the queue", timeout=60)
     starts = json.loads((run_dir / "provenance.json").read_text())["starts"]
@@ -231,8 +231,8 @@ def test_a_lost_node_ends_the_other_rank_and_the_job_resumes_bit_for_bit(tmp_pat
     name = "lost-" + loss.split()[-1]
     run_dir = tmp_path / name
     # SLURM takes 20-30 s to mark a silent node DOWN, longer than what is left of LONG on a quiet machine: in its
-    # first start rank 1 sleeps 5 ms a step (the same weights), so that the run is still going when it is requeued.
-    paced = ["model._target_=slow_rank.SlowOnRankOne", "+model.seconds=0.005", "+model.first_start_only=true"]
+    # first start rank 1 sleeps 10 ms a step (the same weights), so that the run is still going when it is requeued.
+    paced = ["model._target_=slow_rank.SlowOnRankOne", "+model.seconds=0.010", "+model.first_start_only=true"]
     paced = paced if loss == "slurmd stopped" else []
     job = submit(tmp_path, name, *LONG, *paced, base=with_tests_on_path())
     wait_until(lambda: last_epoch_checkpoint(run_dir) > 0, "the first epoch's checkpoint")
