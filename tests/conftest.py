@@ -12,6 +12,7 @@ import urllib.request
 from contextlib import contextmanager
 from pathlib import Path
 
+import prefork
 import pytest
 import torch
 from hydra import compose, initialize_config_dir
@@ -48,7 +49,7 @@ def pytest_runtest_setup(item):
 # so that a module's fixtures (a shared run or sweep, a SLURM cluster's check) are made once. (`--dist loadgroup`
 # would split files finer, but pytest-xdist 3.8 cannot group under pytest 9.2: it renames a node id pytest no longer
 # reads.)
-# A test marked `alone` compares timings (test_perf's breakdown, test_entry's clocks): no other test runs beside it.
+# A test marked `alone` compares timings (tests/test_timings.py, run last): no other test runs beside it.
 # Every test holds a lock file shared, an `alone` test exclusively; a turnstile, taken before the lock, keeps new tests
 # from starting while an `alone` one waits for the running ones (overlapping shared holders could otherwise starve
 # it). By hand: neither pytest nor pytest-xdist has a lock across workers.
@@ -56,15 +57,50 @@ WORKERS_PER_CORE = 2
 LOCKS = "GPU_LAB_TEST_LOCKS"  # the session's lock dir, made by the controller, inherited by the workers
 
 
+# Commands run on a pre-imported interpreter (tests/prefork.py): the controller starts its server in the session's
+# dir; GPU_LAB_TEST_PREFORK=0 runs them on the real one.
+PREFORK = "GPU_LAB_TEST_PREFORK"
+PREFORK_DIR = "GPU_LAB_TEST_PREFORK_DIR"  # the server's dir, inherited by the workers
+
+
 def pytest_configure(config):
     if LOCKS not in os.environ:  # the controller (or a run without workers): the workers inherit it
         os.environ[LOCKS] = tempfile.mkdtemp(prefix="gpu-lab-test-locks-")
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(LOCKS), ignore_errors=True))
+        if os.environ.get(PREFORK, "1") != "0":
+            server, shim = prefork.start(Path(os.environ[LOCKS]) / "prefork")
+            os.environ[PREFORK_DIR] = str(shim.parent)
+            config.add_cleanup(lambda: stop_prefork(server))
+
+
+def stop_prefork(server: subprocess.Popen) -> None:
+    os.environ.pop(PREFORK_DIR, None)
+    server.terminate()
+    server.wait(timeout=30)
+
+
+def python() -> str:
+    """The interpreter that a test's command names: the pre-imported one's shim where the session started it
+    (tests/prefork.py), else this one. A test about the interpreter's own start names `sys.executable`."""
+    directory = os.environ.get(PREFORK_DIR)
+    return str(Path(directory) / "python") if directory else sys.executable
 
 
 def pytest_xdist_auto_num_workers(config):
     """`-n auto`: GPU_LAB_TEST_WORKERS, else WORKERS_PER_CORE workers a core, the tests being mostly waits."""
     return int(os.environ.get("GPU_LAB_TEST_WORKERS") or WORKERS_PER_CORE * (os.cpu_count() or 1))
+
+
+def pytest_collection_modifyitems(config, items):
+    """The order in which the files go to the workers (pyproject's --no-loadscope-reorder keeps it; by default
+    pytest-xdist sends the files with most tests first). Stable: the order within a file is kept.
+    - The files of SLURM jobs first: their tests wait on a scheduler, minutes each, one after another on one worker,
+      while the other workers spend the CPU on the rest; last, they would be the suite's tail.
+    - The files of `alone` tests last (tests/test_timings.py): an `alone` test waits for every running test to end
+      and lets none start meanwhile; at the end there is none left to start."""
+    slurm = {item.path for item in items if item.get_closest_marker("slurm")}
+    alone = {item.path for item in items if item.get_closest_marker("alone")}
+    items.sort(key=lambda item: 0 if item.path in slurm else 2 if item.path in alone else 1)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -128,9 +164,9 @@ def with_tests_on_path() -> dict:
     return {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")])}
 
 
-def cli(*args: str, tiny: bool = True, timeout: float = 300, **kwargs) -> subprocess.CompletedProcess:
-    """`python train.py ARGS` as a user types it, from the repository root."""
-    command = [sys.executable, "train.py", *(shrink(args) if tiny else args)]
+def cli(*args: str, tiny: bool = True, timeout: float = 300, interpreter: str | None = None, **kwargs):
+    """`python train.py ARGS` as a user types it, from the repository root (a subprocess.CompletedProcess)."""
+    command = [interpreter or python(), "train.py", *(shrink(args) if tiny else args)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout, **kwargs)
 
 
@@ -149,7 +185,7 @@ def logged_tags(run_dir: Path) -> list[str]:
 def tensorboard_server(logdir: Path, runs: int):
     """`tensorboard --logdir LOGDIR --port 0` (the OS picks a free port), stopped on exit; yields its URL once
     `/data/runs` lists `runs` runs (the server loads event files in the background)."""
-    command = [sys.executable, "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1", "--port", "0"]
+    command = [python(), "-m", "tensorboard.main", "--logdir", str(logdir), "--host", "127.0.0.1", "--port", "0"]
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         url = None

@@ -11,13 +11,12 @@ import os
 import re
 import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import lightning as L
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, compose_config
+from conftest import ROOT, TINY, cli, compose_config, python
 from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
@@ -154,7 +153,7 @@ def test_when_e_fits_whole_the_probe_leaves_the_maths_bit_identical(runs):
 def test_ddp_x2_picks_per_rank_and_ends_with_the_plain_runs_weights(runs, tmp_path):
     args = [*TINY, "trainer.devices=2", f"batch.effective={E}", SMALL_BUDGET, *QUIET, f"hydra.run.dir={tmp_path}"]
     done = subprocess.run(
-        [sys.executable, "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=240
+        [python(), "train.py", *args], cwd=ROOT, capture_output=True, text=True, timeout=240
     )  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     metrics = json.loads(RunPaths(tmp_path).metrics.read_text())

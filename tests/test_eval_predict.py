@@ -3,13 +3,12 @@
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, cli, compose_config
+from conftest import ROOT, cli, compose_config, python
 from hydra import compose, initialize_config_dir
 
 from experiments.commands.entry import CONFIG_DIR
@@ -53,7 +52,7 @@ def trained(tmp_path_factory):
 
 
 def run_entry(script: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess:
-    command = [sys.executable, script, "trainer.enable_progress_bar=false", *args]
+    command = [python(), script, "trainer.enable_progress_bar=false", *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
 
 

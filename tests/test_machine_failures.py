@@ -15,17 +15,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, logged_tags, resize, shrink, used_pages
+from conftest import ROOT, TINY, cli, logged_tags, python, resize, shrink, used_pages
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 LONG = ["trainer.max_epochs=60", "optimizer.momentum=0.9"]  # momentum: optimizer state that must be restored
 ENDLESS = ["trainer.max_epochs=100000"]  # runs until the test stops it
 
 
-def start(*args: str, log: Path, **kwargs) -> subprocess.Popen:
-    """`python train.py ARGS` in the background, its output in `log` (a pipe could fill and block it)."""
+def start(*args: str, log: Path, interpreter: str | None = None, **kwargs) -> subprocess.Popen:
+    """`python train.py ARGS` in the background, its output in `log` (a pipe could fill and block it). A test that
+    reads the process's pid from what it wrote names `sys.executable` (the shim's pid is not the run's)."""
     out = log.open("w")
-    return subprocess.Popen([sys.executable, "train.py", *shrink(args)], cwd=ROOT, stdout=out, stderr=out, **kwargs)
+    command = [interpreter or python(), "train.py", *shrink(args)]
+    return subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=out, **kwargs)
 
 
 def wait_for(condition, process: subprocess.Popen, timeout: float = 300) -> None:
@@ -139,7 +141,7 @@ def test_last_ckpt_is_written_every_epoch_and_every_n_steps_when_asked(tmp_path)
 @pytest.mark.slow
 def test_a_second_run_in_a_busy_dir_is_refused_naming_the_holder_and_writes_nothing(tmp_path):
     run_dir = tmp_path / "run"
-    holder = start(*ENDLESS, f"hydra.run.dir={run_dir}", log=tmp_path / "holder.log")
+    holder = start(*ENDLESS, f"hydra.run.dir={run_dir}", log=tmp_path / "holder.log", interpreter=sys.executable)
     try:
         wait_for(lambda: saved(run_dir) is not None, holder)
         hydra_files = {p.name: p.read_bytes() for p in (run_dir / ".hydra").iterdir()}
@@ -154,7 +156,7 @@ def test_a_second_run_in_a_busy_dir_is_refused_naming_the_holder_and_writes_noth
         assert sorted((run_dir / "tensorboard").iterdir()) == event_files
 
         # eval.py reads a running run's checkpoint (it writes into a dir of its own).
-        command = [sys.executable, "eval.py", f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"]
+        command = [python(), "eval.py", f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}"]
         evaluation = subprocess.run([*command, f"hydra.run.dir={tmp_path / 'eval'}"], cwd=ROOT, capture_output=True)
         assert evaluation.returncode == 0, evaluation.stderr[-2000:]
     finally:
@@ -172,7 +174,8 @@ def test_a_second_run_in_a_busy_dir_is_refused_naming_the_holder_and_writes_noth
 @pytest.mark.slow
 def test_a_ddp_run_holds_its_dir_from_rank_0(tmp_path):
     run_dir = tmp_path / "run"
-    holder = start(*ENDLESS, "trainer.devices=2", f"hydra.run.dir={run_dir}", log=tmp_path / "holder.log")
+    holder = start(*ENDLESS, "trainer.devices=2", f"hydra.run.dir={run_dir}", log=tmp_path / "holder.log",
+                   interpreter=sys.executable)  # fmt: skip
     try:
         wait_for(lambda: saved(run_dir) is not None, holder)
         second = cli(*ENDLESS, "trainer.devices=2", f"hydra.run.dir={run_dir}")
@@ -187,15 +190,15 @@ def test_a_ddp_run_holds_its_dir_from_rank_0(tmp_path):
 @pytest.mark.slow
 def test_a_second_sweep_in_a_busy_sweep_dir_is_refused_and_writes_nothing(tmp_path):
     sweep = tmp_path / "sweep"
-    command = [sys.executable, "train.py", "-m", *TINY, *ENDLESS, "optimizer.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"]
+    args = ["train.py", "-m", *TINY, *ENDLESS, "optimizer.lr=0.01,0.02", f"hydra.sweep.dir={sweep}"]
     with (tmp_path / "first.log").open("w") as out:
-        first = subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=out)
+        first = subprocess.Popen([sys.executable, *args], cwd=ROOT, stdout=out, stderr=out)  # its pid is named
     try:
         wait_for(lambda: saved(sweep / "0") is not None, first)
         # Every file but those the first sweep rewrites as it trains (its curves and checkpoints).
         moving = {"tensorboard", "checkpoints"}
         files = {p: p.read_bytes() for p in sweep.rglob("*") if p.is_file() and not moving & set(p.parts)}
-        second = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
+        second = subprocess.run([python(), *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
         assert second.returncode == 2
         [error] = errors(second.stderr)
         assert f"hydra.sweep.dir={sweep.resolve()} is in use by another run: pid {first.pid}" in error
@@ -288,7 +291,7 @@ def test_a_full_disk_under_eval_and_predict_is_one_line_and_leaves_nothing(tmp_p
     args = [f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'}", f"hydra.run.dir={disk / 'out'}"]
     if command == "predict.py":
         args.append(f"data.path={table}")
-    done = subprocess.run([sys.executable, command, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    done = subprocess.run([python(), command, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 1
     [error] = errors(done.stderr)
     assert f"no space left on device writing {disk / 'out'}" in error and "0 bytes (0.0 MiB) left" in error
@@ -405,7 +408,7 @@ def test_on_a_gpu_weights_that_diverged_between_log_steps_never_reach_a_checkpoi
 def test_a_full_disk_under_results_csv_stops_the_sweep_with_one_line(tmp_path, tmpfs):
     # A filesystem out of inodes (file entries) refuses a new file as a full one does (ENOSPC). A sweep of one
     # job on a tmpfs with one inode fewer than the sweep uses runs out at its last new file: results.csv's.
-    args = [sys.executable, "train.py", "-m", *TINY, "logger=none", "seed=0"]
+    args = [python(), "train.py", "-m", *TINY, "logger=none", "seed=0"]
     reference = tmpfs(2**26, name="reference")
     done = subprocess.run([*args, f"hydra.sweep.dir={reference / 'sweep'}"], cwd=ROOT, capture_output=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
@@ -440,7 +443,7 @@ def test_a_run_dir_on_a_read_only_file_system_is_one_line_exit_2_nothing_written
     target = disk / "outputs" / "run"
     args = [a.format(dir=target) for a in command]
     setting = "hydra.sweep.dir" if "-m" in args else "hydra.run.dir"
-    done = subprocess.run([sys.executable, *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([python(), *args], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr[-2000:]
     assert done.stderr.strip().splitlines() == [
         f"error: {setting}={target} cannot be written: {disk} is on a read-only file system; allowed: a dir this "

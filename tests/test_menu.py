@@ -9,13 +9,12 @@ import re
 import signal
 import struct
 import subprocess
-import sys
 import termios
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, compose_config
+from conftest import ROOT, TINY, cli, compose_config, python
 from hydra import compose, initialize_config_dir
 from hydra.core.hydra_config import HydraConfig
 from hydra.utils import instantiate
@@ -177,7 +176,7 @@ def test_debug_profiler_writes_into_the_run_dir(tmp_path):
 
 def run_cli(cwd: Path, *args: str) -> subprocess.CompletedProcess:
     """`python train.py ARGS` from another directory, so that outputs/ lands there, not in the repository."""
-    command = [sys.executable, str(ROOT / "train.py"), *TINY, *args]
+    command = [python(), str(ROOT / "train.py"), *TINY, *args]
     return subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=300)
 
 
@@ -261,7 +260,7 @@ def test_a_log_file_gets_a_line_per_epoch_never_a_redraw(tmp_path):
 def test_a_terminal_gets_the_bar_and_the_model_summary_when_asked(tmp_path):
     leader, follower = pty.openpty()  # a terminal for the run's stdout and stderr, 120 columns wide
     fcntl.ioctl(follower, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
-    command = [sys.executable, "train.py", *TINY, "trainer.enable_progress_bar=true",
+    command = [python(), "train.py", *TINY, "trainer.enable_progress_bar=true",
                "trainer.enable_model_summary=true", f"hydra.run.dir={tmp_path / 'run'}"]  # fmt: skip
     run = subprocess.Popen(command, cwd=ROOT, stdout=follower, stderr=follower)
     os.close(follower)

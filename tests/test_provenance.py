@@ -10,7 +10,6 @@ import platform
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import hydra
@@ -19,7 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
-from conftest import ROOT, TINY, cli
+from conftest import ROOT, TINY, cli, python
 from test_machine_failures import saved, start, starts, wait_for
 
 
@@ -36,7 +35,7 @@ def test_a_sweep_job_from_a_dirty_checkout_records_its_code_packages_command_mac
     (clone / "README.md").write_text((clone / "README.md").read_text() + "\nA change not committed.\n")
     (clone / "notes.txt").write_text("a new file\n")
     sweep = tmp_path / "sweep"
-    command = [sys.executable, "train.py", "-m", *TINY, "seed=0", f"hydra.sweep.dir={sweep}"]
+    command = [python(), "train.py", "-m", *TINY, "seed=0", f"hydra.sweep.dir={sweep}"]
     env = {**os.environ, "PYTHONPATH": str(clone / "src")}
     done = subprocess.run(command, cwd=clone, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -90,7 +89,7 @@ def test_eval_and_predict_name_the_checkpoint_and_what_trained_it(tmp_path):
     checkpoint = run_dir / "checkpoints" / "last.ckpt"
     for command, args in [("eval.py", []), ("predict.py", [f"data.path={data}"])]:
         out = tmp_path / command
-        done = subprocess.run([sys.executable, command, f"ckpt_path={checkpoint}", *args, f"hydra.run.dir={out}"],
+        done = subprocess.run([python(), command, f"ckpt_path={checkpoint}", *args, f"hydra.run.dir={out}"],
                               cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
         assert done.returncode == 0, done.stderr[-2000:]
         record = json.loads((out / f"{command.removesuffix('.py')}.json").read_text())

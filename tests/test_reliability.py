@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, compose_config, with_tests_on_path
+from conftest import ROOT, TINY, cli, compose_config, python, with_tests_on_path
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.fabric.plugins.environments import LightningEnvironment
 from lightning.pytorch.strategies import DDPStrategy
@@ -139,7 +139,7 @@ def test_cli_divergence_exits_1_with_the_message(tmp_path):
 
 @pytest.mark.slow
 def test_in_a_sweep_only_the_diverged_job_fails(tmp_path):
-    command = [sys.executable, "train.py", "-m", *TINY, "optimizer.lr=0.05,10000", f"hydra.sweep.dir={tmp_path}"]
+    command = [python(), "train.py", "-m", *TINY, "optimizer.lr=0.05,10000", f"hydra.sweep.dir={tmp_path}"]
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert result.returncode == 1 and "diverged" in result.stderr
     status = [json.loads((tmp_path / job / "metrics.json").read_text())["status"] for job in ("0", "1")]
@@ -263,8 +263,17 @@ def test_interrupted_anywhere_then_resumed_equals_uninterrupted(tmp_path, monkey
 LONG = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=2"]
 
 
-def start(run_dir: Path, *args: str, env: dict | None = None) -> subprocess.Popen:
-    command = [sys.executable, "train.py", *TINY, *RESUMABLE, *LONG, "logger=csv", *args, f"hydra.run.dir={run_dir}"]
+def start(run_dir: Path, *args: str, env: dict | None = None, interpreter: str | None = None) -> subprocess.Popen:
+    command = [
+        interpreter or python(),
+        "train.py",
+        *TINY,
+        *RESUMABLE,
+        *LONG,
+        "logger=csv",
+        *args,
+        f"hydra.run.dir={run_dir}",
+    ]
     log = open(run_dir.parent / f"{run_dir.name}.log", "w")  # noqa: SIM115 (closed with the process)
     return subprocess.Popen(command, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, text=True)
 
@@ -389,7 +398,7 @@ LOST_LINE = (
 @pytest.mark.slow
 def test_a_killed_ddp_rank_ends_the_whole_job_in_one_line_and_resumes_exactly(tmp_path, victim, uninterrupted_ddp):
     run_dir = tmp_path / "run"
-    process = start(run_dir, *KILLED_DDP)
+    process = start(run_dir, *KILLED_DDP, interpreter=sys.executable)  # its ranks are its children
     ranks = []
     try:
         wait_for_steps(run_dir, process, steps=120)  # both ranks are training, last.ckpt holds step 100
@@ -487,7 +496,7 @@ def test_a_signal_to_one_ddp_rank_stops_both_at_a_window_end_and_resumes_exactly
     runs = tmp_path / "runs"
     runs.mkdir()
     reference = start(runs / "uninterrupted", *DDP_WINDOWS)
-    process = start(runs / "interrupted", *DDP_WINDOWS)
+    process = start(runs / "interrupted", *DDP_WINDOWS, interpreter=sys.executable)  # its ranks are its children
     ranks = []
     try:
         wait_for_steps(runs / "interrupted", process, steps=100)

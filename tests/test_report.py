@@ -9,7 +9,7 @@ import sys
 import matplotlib.image
 import pytest
 import torch
-from conftest import ROOT, cli
+from conftest import ROOT, cli, python
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments import reports
@@ -20,7 +20,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def report(path) -> subprocess.CompletedProcess:
-    command = [sys.executable, "scripts/report.py", str(path)]
+    command = [python(), "scripts/report.py", str(path)]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 
 

@@ -7,13 +7,12 @@ import json
 import os
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, compose_config, final_weights, logged_tags
+from conftest import ROOT, TINY, cli, compose_config, final_weights, logged_tags, python
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.commands.train import train
@@ -131,7 +130,7 @@ def test_same_config_ignores_how_a_run_is_started_not_what_it_trains():
 @pytest.mark.slow
 def test_a_sweep_stopped_in_its_second_job_and_run_again_completes_every_job(tmp_path):
     sweep = tmp_path / "sweep"
-    command = [sys.executable, "train.py", "-m", *TINY, "data.num_samples=1000", "data.batch_size=4"]
+    command = [python(), "train.py", "-m", *TINY, "data.num_samples=1000", "data.batch_size=4"]
     command += ["trainer.max_epochs=3", "optimizer.lr=0.01,0.02,0.03", f"hydra.sweep.dir={sweep}"]
     with open(tmp_path / "first.log", "w") as log:
         first = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import optuna
 import pytest
-from conftest import ROOT, TINY
+from conftest import ROOT, TINY, python
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
@@ -36,7 +36,7 @@ STATE = {"completed": TrialState.COMPLETE, "failed": TrialState.FAIL}
 
 
 def search_command(sweep_dir: Path, *args: str) -> list[str]:
-    return [sys.executable, "train.py", "-m", *TINY, "hparams_search=optuna", *args, f"hydra.sweep.dir={sweep_dir}"]
+    return [python(), "train.py", "-m", *TINY, "hparams_search=optuna", *args, f"hydra.sweep.dir={sweep_dir}"]
 
 
 def search(sweep_dir: Path, *args: str) -> subprocess.CompletedProcess:
@@ -138,6 +138,7 @@ def test_a_search_run_again_continues_its_study_and_a_killed_trial_becomes_faile
 
     # The same command, to 4 trials: killed (SIGKILL, nothing can clean up) while trial 2 runs.
     command = search_command(sweep_dir, "hydra.sweeper.n_trials=4", *space)
+    command[0] = sys.executable  # the kill at once: a SIGKILL of the shim reaches the command a moment later
     killed = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)  # fmt: skip
     deadline = time.monotonic() + 300

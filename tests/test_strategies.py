@@ -10,12 +10,11 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import ROOT, TINY, cli, compose_config, metrics, with_tests_on_path
+from conftest import ROOT, TINY, cli, compose_config, metrics, python, with_tests_on_path
 from omegaconf import OmegaConf
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -38,7 +37,7 @@ def start(command: list[str], cwd: Path) -> subprocess.Popen:
 
 def train_py(*args: str, cwd: Path, flags: tuple[str, ...] = ()) -> subprocess.Popen:
     """`python <repo>/train.py FLAGS ARGS`, started from `cwd` (to see what lands there); returns the process."""
-    return start([sys.executable, str(ROOT / "train.py"), *flags, *TINY, *args], cwd)
+    return start([python(), str(ROOT / "train.py"), *flags, *TINY, *args], cwd)
 
 
 def wait(*procs: subprocess.Popen, timeout: float = 240) -> list[str]:
@@ -85,7 +84,7 @@ def torchrun_two_nodes(cwd: Path, *args: str) -> list[subprocess.Popen]:
     for node in (0, 1):
         torchrun = ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(node)]
         torchrun += ["--master-addr", "127.0.0.1", "--master-port", str(port)]
-        command = [sys.executable, "-m", "torch.distributed.run", *torchrun, str(ROOT / "train.py"), *TINY, *args]
+        command = [python(), "-m", "torch.distributed.run", *torchrun, str(ROOT / "train.py"), *TINY, *args]
         procs.append(start(command, cwd))
     return procs
 

@@ -8,11 +8,10 @@ fails there. GPU_LAB_SCREENSHOTS=DIR keeps its screenshots in DIR (docs/tensorbo
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from conftest import ROOT, cli, tensorboard_get, tensorboard_post, tensorboard_server
+from conftest import ROOT, cli, python, tensorboard_get, tensorboard_post, tensorboard_server
 
 BATCH_SIZES = [32, 64]
 RUNS = [f"{num}/tensorboard/batch_size={b}" for num, b in enumerate(BATCH_SIZES)]
@@ -25,7 +24,7 @@ def sweep(tmp_path_factory) -> Path:
     sweep_dir = tmp_path_factory.mktemp("tensorboard") / "sweep"
     done = cli(*SWEEP, f"hydra.sweep.dir={sweep_dir}", "--multirun")
     assert done.returncode == 0, done.stderr[-3000:]
-    report = subprocess.run([sys.executable, "scripts/report.py", str(sweep_dir)], cwd=ROOT, capture_output=True,
+    report = subprocess.run([python(), "scripts/report.py", str(sweep_dir)], cwd=ROOT, capture_output=True,
                             text=True, timeout=300)  # fmt: skip
     assert report.returncode == 0, report.stderr[-3000:]
     return sweep_dir
