@@ -2,8 +2,8 @@
 
 Most of the suite's CPU is start-up: each `python train.py` a CLI test runs imports torch, Lightning and Hydra
 (about 5 s of CPU on this machine, docs/testing.md). Here one server process imports them once, and each command
-is a fork of it. pytest's controller starts the server (tests/conftest.py); a test runs `PYTHON` (`python()`), a
-shim in the server's dir that behaves as the interpreter does for the caller:
+is a fork of it. pytest's controller starts the server (tests/conftest.py); a test runs `python()`, a shim in
+the server's dir that behaves as the interpreter does for the caller:
 
 - its own process: the command runs in a forked child with its own pid, its argv, environment, working dir and
   the caller's open file descriptors (stdin, stdout, stderr and any other it passed);
@@ -15,8 +15,10 @@ What it cannot make the same, the shim leaves to the real interpreter (it `exec`
 `python SCRIPT ARGS` and `python -m MODULE ARGS`, a PYTHON* variable other than PYTHONPATH, PYTHONUNBUFFERED
 and PYTHONDONTWRITEBYTECODE (they act while an interpreter starts), and a rank (RANK, LOCAL_RANK, SLURM_PROCID:
 Lightning reads the rank once, at its import; and a rank that a launcher started watches its parent, which for
-a fork would be the server: experiments.distributed.ranks.end_with_parent). A test about the
-interpreter's start itself (startup_s, the process tree under the test) names `sys.executable`.
+a fork would be the server: experiments.distributed.ranks.end_with_parent), and a command whose sys.path holds its
+own copy of a module the server imported (prefork_shim.shadows). A test about the interpreter itself (startup_s,
+the process tree under the test, a pid compared with the one it started, a SIGKILL that must land at once) names
+`sys.executable`.
 GPU_LAB_TEST_PREFORK=0 runs every command on the real interpreter. tests/test_prefork.py proves the above.
 
 By hand: no library forks a pre-imported Python for arbitrary commands (pytest-xdist forks nothing, and
