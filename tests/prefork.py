@@ -191,8 +191,7 @@ def become(connection: socket.socket, request: dict) -> None:
         pass
     module, args = request["module"], request["args"]
     python_path = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
-    first = os.getcwd() if module else str(Path(request["script"]).resolve().parent)
-    sys.path[:] = [first, *python_path, *request["base_path"]]
+    sys.path[:] = [request["path0"], *python_path, *request["base_path"]]
     connection.sendall(f"pid {os.getpid()}\n".encode())
 
     def follow_the_shim() -> None:  # the shim's end closes when it ends: a SIGKILL of it reaches here

@@ -24,18 +24,23 @@ def servable(args: list[str], env: dict) -> dict | None:
     """The request for `python ARGS`, or None where only the real interpreter behaves as the caller expects."""
     if any(k.startswith("PYTHON") and k not in SERVED_PYTHON_VARIABLES for k in env) or RANK_VARIABLES & set(env):
         return None
+    # path0: sys.path's first entry, as the interpreter makes it (the working dir; the script's real dir).
     if len(args) >= 2 and args[0] == "-m" and not args[1].startswith("-"):
-        return {"module": args[1], "args": args[2:]}
+        return {"module": args[1], "args": args[2:], "path0": os.getcwd()}
     if args and not args[0].startswith("-"):
-        return {"module": None, "script": args[0], "args": args[1:]}
+        return {
+            "module": None,
+            "script": args[0],
+            "args": args[1:],
+            "path0": os.path.dirname(os.path.realpath(args[0])),
+        }
     return None
 
 
 def shadows(request: dict, env: dict, modules: str) -> bool:
     """Would the command import its own copy of a module the server imported (a clone's `src` on its PYTHONPATH,
     a script beside its own package)? Its sys.path's first entry and PYTHONPATH's, as the interpreter makes them."""
-    first = os.getcwd() if request["module"] else os.path.dirname(os.path.abspath(request["script"]))
-    entries = [first, *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
+    entries = [request["path0"], *(p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p)]
     with open(modules) as names:
         imported = set(json.load(names))
     for entry in entries:
