@@ -24,9 +24,11 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-# Long differences: a whole process's start-up (imports, data, the exact optimum) varies by up to a second between
-# runs even on an idle machine; with (300, 900) steps at B=4096 one repetition's ratio ranged 0.49-2.72.
-LENGTHS = {64: (1500, 9000), 1024: (1000, 6000), 4096: (300, 2100)}  # B: the short and the long run's steps
+# Long differences: a whole process's start-up (imports, data, the exact optimum) varies by up to two seconds
+# between runs even on an idle machine (startup_s 6.7-8.5 s in four DDP runs at B=4096); with (300, 900) steps at
+# B=4096 one repetition's ratio ranged 0.49-2.72, with (300, 2100) 0.76-1.80. Each difference is now 15-20 s of
+# steps.
+LENGTHS = {64: (1500, 9000), 1024: (1000, 9000), 4096: (300, 4300)}  # B: the short and the long run's steps
 TARGETS = {64: 1.20, 1024: 1.15, 4096: 1.10}  # B: project DDP x2 at most this times raw DDP x2
 FRAMEWORK_SHARE = 0.10  # framework_ms under this share of a DDP step
 CLOCK_AGREEMENT = 0.20  # the run's step_time_ms within this of the outside clock's step
