@@ -24,8 +24,7 @@ class CountCollectives(Callback):
 
     def _counting(self, name, call):
         def counted(*args, **kwargs):
-            # DDP's gradient buckets are the only asynchronous all-reduces (its communication hook).
-            self.counts["gradients" if kwargs.get("async_op") else name] += 1
+            self.counts[name] += 1
             return call(*args, **kwargs)
 
         return counted

@@ -27,6 +27,7 @@ multiprocessing's forkserver runs functions, not commands with their own fds and
 
 import builtins
 import fcntl
+import gc
 import importlib.machinery
 import io
 import json
@@ -86,6 +87,10 @@ def serve(directory: Path) -> tuple[socket.socket, dict]:
     """The server's loop; returns only in a forked child: (the connection to its shim, the request)."""
     for module in PRELOAD:
         __import__(module)
+    # What the imports made stays out of every child's garbage collections (`gc.freeze`): a collection that walks
+    # the server's objects writes to their pages, which a fork then copies, child after child.
+    gc.collect()
+    gc.freeze()
     tasks = os.listdir("/proc/self/task")
     if len(tasks) != 1:  # forking a process that runs other threads copies their locks, not the threads
         raise SystemExit(f"prefork: {len(tasks)} threads after the imports; not serving")

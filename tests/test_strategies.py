@@ -381,11 +381,12 @@ def test_environment_is_restored_after_a_job(monkeypatch):
     assert dict(os.environ) == before
 
 
-def test_an_epoch_under_ddp_costs_one_agreement_a_window_and_one_at_its_save(tmp_path):
-    """Beyond the gradients' all-reduce, a DDP epoch holds one small all-reduce at each window's end (the ranks'
-    agreement on a signal) and one at its save (on the weights' finiteness): no barrier (Lightning's reduce puts one
-    before each all-reduce, its save_checkpoint one after the write), no broadcast (Lightning's of its SIGTERM flag
-    before every window). Windows end only at an epoch's end here: 8 steps an epoch, no log step, no validation."""
+def test_an_epoch_under_ddp_costs_one_agreement_a_window_and_none_at_its_save(tmp_path):
+    """Beyond the gradients' all-reduce (DDP's own, in C++: no Python call to count), a DDP epoch holds one small
+    all-reduce at each window's end (the ranks' agreement on a signal) and none at its save (every rank judges the
+    same weights: experiments.divergence): no barrier (Lightning's reduce puts one before each all-reduce, its
+    save_checkpoint one after the write), no broadcast (Lightning's of its SIGTERM flag before every window).
+    Windows end only at an epoch's end here: 8 steps an epoch, no log step, no validation."""
     out = tmp_path / "counts"
     overrides = ["trainer.devices=2", "trainer.max_epochs=4", "trainer.log_every_n_steps=1000"]
     overrides += ["trainer.limit_val_batches=0"]
@@ -395,4 +396,4 @@ def test_an_epoch_under_ddp_costs_one_agreement_a_window_and_one_at_its_save(tmp
     for rank in (0, 1):
         start, end = (json.loads(Path(f"{out}.rank{rank}.epoch{e}.json").read_text()) for e in (1, 3))
         two_epochs = {name: end[name] - start.get(name, 0) for name in end if end[name] != start.get(name, 0)}
-        assert two_epochs == {"gradients": 16, "all_reduce": 4}, f"rank {rank}"
+        assert two_epochs == {"all_reduce": 2}, f"rank {rank}"

@@ -5,7 +5,6 @@ import math
 import lightning as L
 import torch
 
-from experiments.distributed import comm
 from experiments.run.exits import RunFailed
 
 
@@ -33,16 +32,17 @@ def check_before_saving(trainer: L.Trainer, module: L.LightningModule) -> None:
 
     On an accelerator `check_loss` reads the loss only at a window's last micro-batch, before its backward pass, so
     a window's steps (its last one included, or a signal's shortened window) can make the weights non-finite
-    unseen; here the last step's loss and the weights themselves are checked (one device sync a save), and the
-    ranks agree, since a save is a collective every rank enters. The checkpoint already on disk, the last finite
-    one, is kept.
+    unseen; here the last step's loss and the weights themselves are checked (one device sync a save). The
+    checkpoint already on disk, the last finite one, is kept.
+
+    Every rank reaches the same verdict with no collective (a save is entered by every rank, so one rank raising
+    alone would leave the others waiting): under DDP the ranks hold the same weights, bit for bit (the same
+    all-reduced gradients, the same update), and each rank's own last loss was checked before its backward pass
+    (`check_loss`: a rank with a non-finite one has already stopped the run).
     """
     loss = getattr(module, "last_loss", None)
     finite = [torch.isfinite(t).all() for t in [*module.parameters(), *([] if loss is None else [loss])]]
     ok = bool(torch.stack([f.to(finite[0].device) for f in finite]).all()) if finite else True
-    if trainer.world_size > 1:
-        agreed = torch.tensor([int(ok)], device=trainer.strategy.root_device)
-        ok = bool(comm.agree(agreed, torch.distributed.ReduceOp.MIN).item())  # every rank's weights finite
     if ok:
         return
     lr = trainer.optimizers[0].param_groups[0]["lr"] if trainer.optimizers else float("nan")
