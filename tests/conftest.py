@@ -116,16 +116,24 @@ def pytest_runtest_protocol(item, nextitem):
         yield  # setup (a module's fixtures too), call, teardown; closing the files releases the locks
 
 
+def sigint_heard() -> None:
+    """SIGINT as a terminal's command has it: Python's KeyboardInterrupt, not ignored. An ignored signal survives
+    exec, so every command a test runs would ignore it too (test_prefork's probe outlived its SIGINT in two runs of
+    .ci/run, each time after other tests in its worker). Two ways it gets ignored: a script's background job starts
+    with SIGINT ignored, and Lightning 2.6 ignores it for good once a KeyboardInterrupt reaches its fit
+    (`_call_and_handle_interrupt`), which an in-process run (a module's fixture too) leaves to the tests after it."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+sigint_heard()  # in the controller before it starts the pre-imported interpreter's server, and in each worker
+
+
 @pytest.fixture(autouse=True)
-def sigint_as_found():
-    """Each test leaves SIGINT's handler as it found it. Lightning 2.6 ignores SIGINT for good once a
-    KeyboardInterrupt reaches its fit (`_call_and_handle_interrupt`), and every later subprocess of that worker would
-    inherit the ignored signal: a real interpreter's probe in test_prefork then outlived its SIGINT (seen once, in a
-    full run, depending on which tests had run in that worker before)."""
-    found = signal.getsignal(signal.SIGINT)
+def sigint_heard_by_each_test():
+    sigint_heard()
     yield
-    if signal.getsignal(signal.SIGINT) is not found:
-        signal.signal(signal.SIGINT, found)
+    sigint_heard()
 
 
 def metrics(run_dir: Path) -> dict:
