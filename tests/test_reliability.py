@@ -376,13 +376,17 @@ def test_a_signal_during_the_ranks_agreement_stops_every_rank_at_the_next_step(t
     assert stops == [[None, signal.SIGTERM]] * 2
 
 
+def uninterrupted_cli_run(run_dir: Path, *args: str) -> dict:
+    """The final state of a run through the CLI (`start`), never interrupted: the reference of a module's tests."""
+    process = start(run_dir, *args)
+    assert process.wait(timeout=300) == 0, (run_dir.parent / f"{run_dir.name}.log").read_text()[-2000:]
+    return final_state(run_dir)
+
+
 @pytest.fixture(scope="module")
 def uninterrupted_ddp(tmp_path_factory):
     """The final state of the DDP run of `test_a_killed_ddp_rank_...`, never interrupted, through the CLI."""
-    run_dir = tmp_path_factory.mktemp("ddp") / "run"
-    process = start(run_dir, *KILLED_DDP)
-    assert process.wait(timeout=300) == 0, (run_dir.parent / "run.log").read_text()[-2000:]
-    return final_state(run_dir)
+    return uninterrupted_cli_run(tmp_path_factory.mktemp("ddp") / "run", *KILLED_DDP)
 
 
 # Two ranks, 200 steps an epoch, last.ckpt every 50 steps: killed after step 120, it resumes from step 100.
@@ -492,10 +496,7 @@ DDP_WINDOWS = ["trainer.devices=2", "trainer.log_every_n_steps=25"]
 @pytest.fixture(scope="module")
 def uninterrupted_windows(tmp_path_factory):
     """The final state of the DDP run of `test_a_signal_to_one_ddp_rank_...`, never interrupted, through the CLI."""
-    run_dir = tmp_path_factory.mktemp("windows") / "run"
-    process = start(run_dir, *DDP_WINDOWS)
-    assert process.wait(timeout=300) == 0, (run_dir.parent / "run.log").read_text()[-2000:]
-    return final_state(run_dir)
+    return uninterrupted_cli_run(tmp_path_factory.mktemp("windows") / "run", *DDP_WINDOWS)
 
 
 @pytest.mark.skipif(not Path("/proc/self/task").exists(), reason="reads the process tree from Linux's /proc")
