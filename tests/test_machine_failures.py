@@ -24,7 +24,8 @@ ENDLESS = ["trainer.max_epochs=100000"]  # runs until the test stops it
 
 def start(*args: str, log: Path, interpreter: str | None = None, **kwargs) -> subprocess.Popen:
     """`python train.py ARGS` in the background, its output in `log` (a pipe could fill and block it). A test that
-    reads the process's pid from what it wrote names `sys.executable` (the shim's pid is not the run's)."""
+    reads the process's pid from what it wrote, or SIGKILLs it, names `sys.executable`: the shim's pid is not the
+    run's, and a SIGKILL of the shim ends the run a moment later (tests/prefork.py), time in which it can save."""
     out = log.open("w")
     command = [interpreter or python(), "train.py", *shrink(args)]
     return subprocess.Popen(command, cwd=ROOT, stdout=out, stderr=out, **kwargs)
@@ -71,7 +72,7 @@ def test_a_run_killed_with_sigkill_resumes_from_its_last_epoch_bit_for_bit(tmp_p
     assert cli(*LONG, f"hydra.run.dir={reference}").returncode == 0
 
     run_dir = tmp_path / "run"
-    killed = start(*LONG, f"hydra.run.dir={run_dir}", log=tmp_path / "killed.log")
+    killed = start(*LONG, f"hydra.run.dir={run_dir}", log=tmp_path / "killed.log", interpreter=sys.executable)
     wait_for(lambda: (saved(run_dir) or {}).get("epoch", -1) >= 1, killed)  # two epochs saved, by default
     killed.kill()
     killed.wait()
@@ -109,7 +110,7 @@ def test_a_run_killed_before_its_first_checkpoint_starts_over_with_one_curve(tmp
     reference = tmp_path / "reference"
     assert cli(*args, f"hydra.run.dir={reference}").returncode == 0
     run_dir = tmp_path / "run"
-    killed = start(*args, f"hydra.run.dir={run_dir}", log=tmp_path / "killed.log")
+    killed = start(*args, f"hydra.run.dir={run_dir}", log=tmp_path / "killed.log", interpreter=sys.executable)
     wait_for(lambda: "train/loss" in logged_tags(run_dir), killed)
     killed.kill()
     killed.wait()
