@@ -120,7 +120,7 @@ def window_position(trainer: L.Trainer, warming_up: bool = False) -> Position:
     if not isinstance(val_every, int) or val_every >= trainer.num_training_batches or not trainer.enable_validation:
         val_every = None  # validation at the epoch's end only, or never
     # Time-based validation is checked after each iteration of Lightning's loop. Several ranks need no step a
-    # window: each computes the same window from the same counters, and a signal is agreed at a window's end.
+    # window: each computes the same window from the same counters, and a signal is agreed at a log step's end.
     one_step = warming_up or getattr(trainer, "_val_check_time_interval", None) is not None
     return Position(
         step=trainer.global_step,
@@ -159,7 +159,7 @@ def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
     its training loop (`_TrainingEpochLoop._broadcast_sigterm_tensor`): one collective a window, about 0.5 ms on
     gloo between two CPU processes, and no setting turns it off. Only Lightning's own SIGTERM handler sets that
     flag, and experiments.run.interruption replaces the handler when training starts (the ranks agree on every
-    signal at a window's end instead), so the broadcast would always say "no signal"."""
+    signal at a log step's window end instead), so the broadcast would always say "no signal"."""
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
 
 

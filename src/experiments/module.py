@@ -78,7 +78,7 @@ class Regressor(L.LightningModule):
         self._scheduler = configs[0].scheduler if configs else None
         self._scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: the gradient scaler
         # One rank alone must not end a window early (the others would wait in their next all-reduce): under
-        # several ranks a signal is agreed at the window's end (experiments.run.interruption).
+        # several ranks a signal is agreed at a log step's window end (experiments.run.interruption).
         interruption = next((c for c in trainer.callbacks if isinstance(c, Interruption)), None)
         self._interruption = interruption if trainer.world_size == 1 else None
         self._comm = comm.timed(trainer.strategy.model) if trainer.world_size > 1 else None  # comm_ms
@@ -91,7 +91,7 @@ class Regressor(L.LightningModule):
         `accumulate_grad_batches`, gradients clipped as the Trainer says, DDP's all-reduce in the backward pass
         of a step's last micro-batch only, the gradients set to None after the step. With one rank, a signal
         (experiments.run.interruption) ends the window at the next optimizer step; with several, the window runs
-        to its end, where the ranks agree.
+        to its end, and the ranks agree at a log step's.
 
         The compute clock (compute_ms) times each micro-batch from its forward pass to the end of its update, less
         the wait for the gradients' all-reduce under DDP (comm_ms: experiments.distributed.comm); the loader's

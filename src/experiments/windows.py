@@ -9,8 +9,9 @@ steps is due, and during the first `WARMUP_BATCHES` micro-batches of a fit, whic
 steady state (experiments.perf).
 
 Several ranks run the same windows with no collective to agree on them: each computes the window from the same
-Position (Lightning's counters, the same on every rank). What the ranks must agree on (a signal's stop, a save, a
-target, validation's figures) is agreed where Lightning's hooks run, at a window's end; inside a window the only
+Position (Lightning's counters, the same on every rank). What the ranks must agree on (a signal's stop, a
+target, validation's figures) is agreed where Lightning's hooks run, at some windows' ends (a signal's stop: at a
+log step's, experiments.run.interruption); inside a window the only
 collective is the gradients' all-reduce of each optimizer step, as in a plain DDP loop.
 """
 

@@ -9,7 +9,7 @@ from lightning.pytorch.callbacks import Callback
 
 from experiments import internals
 from experiments.distributed import comm
-from experiments.log_steps import ends_optimizer_step
+from experiments.log_steps import ends_optimizer_step, is_log_step
 from experiments.run.signals import Interrupted, handling_signals, install
 
 
@@ -31,13 +31,15 @@ class Interruption(Callback):
     and Lightning's loops know how to resume mid-epoch; the data loader's position travels in the
     checkpoint too (`BatchLoader.state_dict`).
 
-    Ranks agree on the step to stop at, and on the signal, through one small all-reduce a window
-    (experiments.windows: the hook runs once a window), only when there is more than one rank: a signal reaches
-    one rank (`kill` of the launching process) or all of them at slightly different times (Ctrl-C, SLURM's signals
-    to each node), and `save_checkpoint` is a collective that every rank must enter. With one rank the module ends
-    its window at the next optimizer step (experiments.module); with several every rank runs its window to the
-    end, the same optimizer step on each, so a stop waits at most one window (to the next log step:
-    `trainer.log_every_n_steps` steps). A rank stops on what the all-reduce returned, never on what its handler
+    Ranks agree on the step to stop at, and on the signal, through one small all-reduce at each log step's window
+    end and at the end of training (experiments.windows: the hook runs once a window), only when there is more
+    than one rank: a signal reaches one rank (`kill` of the launching process) or all of them at slightly
+    different times (Ctrl-C, SLURM's signals to each node), and `save_checkpoint` is a collective that every rank
+    must enter. With one rank the module ends its window at the next optimizer step (experiments.module); with
+    several every rank runs its window to the end, the same optimizer step on each, so a stop waits at most
+    `trainer.log_every_n_steps` steps (0: an epoch). Not at the windows that end at an epoch's end or a save
+    between two log steps: at a large batch an epoch is a few steps, and an all-reduce there costs about one
+    step's compute every few steps. A rank stops on what the all-reduce returned, never on what its handler
     recorded since: a signal that lands while the all-reduce runs is handled when it returns, on that rank only,
     and a rank that stopped on it would wait in the checkpoint's barrier for ranks gone on to the next window (a
     hang until SLURM's KillWait killed the job, nothing saved). Such a signal is agreed on at the next window.
@@ -63,7 +65,9 @@ class Interruption(Callback):
         self.phase = "training"
 
     def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs, batch, batch_idx):
-        if ends_optimizer_step(trainer):  # mid accumulation, the gradients gathered so far would not be saved
+        if not ends_optimizer_step(trainer):  # mid accumulation, the gradients gathered so far would not be saved
+            return
+        if trainer.world_size == 1 or is_log_step(trainer) or not trainer.log_every_n_steps:
             self._stop_if_asked(trainer, mid_step=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
