@@ -1,6 +1,7 @@
 """Bad input fails fast and clearly; divergence, signals and dead ranks end a run cleanly; resuming is exact."""
 
 import csv
+import errno
 import json
 import multiprocessing
 import os
@@ -8,6 +9,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -24,8 +26,8 @@ from experiments.config.errors import ConfigError
 from experiments.data.loader import BatchLoader
 from experiments.distributed.lost_rank import LostRank
 from experiments.module import Regressor
-from experiments.run.exits import RunFailed
-from experiments.run.files import UMASK, AtomicCheckpointIO, write_atomic
+from experiments.run.exits import OutOfSpace, RunFailed
+from experiments.run.files import IN_PLACE_LATER, UMASK, AtomicCheckpointIO, write_atomic
 from experiments.run.interruption import Interruption
 from experiments.run.signals import Interrupted
 
@@ -592,3 +594,35 @@ def test_a_crash_while_writing_leaves_the_previous_files_whole(tmp_path, monkeyp
     assert json.loads(metrics.read_text()) == {"status": "completed"}
     assert torch.load(checkpoint, weights_only=True) == {"step": 1}
     assert oct(metrics.stat().st_mode & 0o777) == oct(0o666 & ~UMASK)  # not mkstemp's private 0600
+
+
+def test_a_save_put_in_place_later_lands_before_the_next_and_fails_at_teardown(tmp_path, monkeypatch):
+    checkpoint, io = tmp_path / "last.ckpt", AtomicCheckpointIO()
+    io.save_checkpoint({"step": 1}, checkpoint, storage_options=IN_PLACE_LATER)
+    io.save_checkpoint({"step": 2}, checkpoint, storage_options=IN_PLACE_LATER)  # waits for step 1's rename
+    assert io.load_checkpoint(checkpoint) == {"step": 2}  # waits for step 2's
+    with pytest.raises(TypeError, match="IN_PLACE_LATER"):
+        io.save_checkpoint({"step": 3}, checkpoint, storage_options={"compress": True})
+
+    renames, rename, full = [], os.replace, ["full"]
+
+    def full_disk_at_the_rename(src, dst):  # fails once for each entry of `full`
+        renames.append(threading.current_thread().name)
+        if full:
+            full.pop()
+            raise OSError(errno.ENOSPC, "No space left on device")
+        rename(src, dst)
+
+    monkeypatch.setattr(os, "replace", full_disk_at_the_rename)
+    io.save_checkpoint({"step": 3}, checkpoint, storage_options=IN_PLACE_LATER)  # returns; its rename fails
+    with pytest.raises(OutOfSpace) as failed:
+        io.save_checkpoint({"step": 4}, checkpoint)  # the next save raises it, before it writes anything
+    assert str(checkpoint) in str(failed.value)
+    assert renames[0].startswith("checkpoint-in-place") and len(renames) == 1  # in the thread, not the caller's
+    full.append("full")
+    io.save_checkpoint({"step": 5}, checkpoint, storage_options=IN_PLACE_LATER)
+    with pytest.raises(OutOfSpace):
+        io.teardown()  # Lightning's, on every way out of a fit
+    monkeypatch.undo()
+    assert torch.load(checkpoint, weights_only=True) == {"step": 2}  # the last complete one stays
+    assert [p.name for p in tmp_path.iterdir()] == ["last.ckpt"]  # the failed one's temporary file removed

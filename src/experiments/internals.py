@@ -167,15 +167,17 @@ def _no_broadcast() -> None:
     pass
 
 
-def save_checkpoint_without_barrier(trainer: L.Trainer, path: str) -> None:
+def save_checkpoint_without_barrier(trainer: L.Trainer, path: str, storage_options=None) -> None:
     """`trainer.save_checkpoint(path, weights_only=False)` less its closing barrier: every rank builds the
     checkpoint (its hooks agree on the weights: experiments.divergence), rank 0 writes it, and the others go on at
     once rather than wait for the write in one more collective (about 0.5 ms on gloo); they wait at their next
     all-reduce anyway. Nothing they do before it reads the file (a lost rank's line reads the step from the file
-    on disk). Lightning's `save_checkpoint` has no option to leave the barrier out."""
+    on disk). Lightning's `save_checkpoint` has no option to leave the barrier out. `storage_options` go to the
+    checkpoint's writer (experiments.run.files.AtomicCheckpointIO), as Lightning's own `save_checkpoint` passes
+    them."""
     with trainer.profiler.profile("save_checkpoint"):
         checkpoint = trainer._checkpoint_connector.dump_checkpoint(weights_only=False)
-        trainer.strategy.save_checkpoint(checkpoint, path)
+        trainer.strategy.save_checkpoint(checkpoint, path, storage_options=storage_options)
 
 
 def micro_batches_done(trainer: L.Trainer) -> tuple[int, int]:

@@ -10,6 +10,7 @@ import os
 import re
 import tempfile
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -36,23 +37,43 @@ def replacing(path: Path) -> Iterator[Path]:
     two is a copy that a crash can cut in half.
     """
     path = Path(path)
-    tmp = None
+    tmp = _temporary(path)
+    with _abandoning(tmp, path):
+        yield tmp
+    _put_in_place(tmp, path)
+
+
+def _temporary(path: Path) -> Path:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, name = tempfile.mkstemp(dir=path.parent, prefix=f"{TEMP_PREFIX}{path.name}.", suffix=TEMP_SUFFIX)
-        tmp = Path(name)
-        os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes the file private (0600); give it a new file's mode
-        os.close(fd)
-        yield tmp
-        with open(tmp, "rb") as written:
-            os.fsync(written.fileno())  # where a filesystem allocates late, a full one says so here
-        os.replace(tmp, path)
+    except OSError as err:
+        if is_out_of_space(err):
+            raise OutOfSpace(path) from err
+        raise
+    os.fchmod(fd, 0o666 & ~UMASK)  # mkstemp makes the file private (0600); give it a new file's mode
+    os.close(fd)
+    return Path(name)
+
+
+@contextmanager
+def _abandoning(tmp: Path, path: Path) -> Iterator[None]:
+    """On any error in the block: remove `tmp` and leave `path` as it was; a full disk is OutOfSpace(path)."""
+    try:
+        yield
     except BaseException as err:
-        if tmp is not None:
-            tmp.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
         if is_out_of_space(err) and not isinstance(err, OutOfSpace):
             raise OutOfSpace(path) from err
         raise
+
+
+def _put_in_place(tmp: Path, path: Path) -> None:
+    """Flush the written `tmp` to disk and rename it over `path`, durably."""
+    with _abandoning(tmp, path):
+        with open(tmp, "rb") as written:
+            os.fsync(written.fileno())  # where a filesystem allocates late, a full one says so here
+        os.replace(tmp, path)
     directory = os.open(path.parent, os.O_RDONLY)
     try:
         os.fsync(directory)  # the rename itself survives a power cut
@@ -105,12 +126,27 @@ class AtomicCheckpointIO(TorchCheckpointIO):
     temporary file sits in the system's temp dir and is copied over at the end: twice the checkpoint in memory,
     a stray file in /tmp after a kill, and, when /tmp is another filesystem, a copy that a crash can cut in half.
     Here `torch.save` writes straight into the temporary file of `replacing`, like every file of a run.
+
+    `storage_options=IN_PLACE_LATER` returns once the file is written and leaves its fsync and rename to a thread
+    (about 1 ms on this project's machine, on the path of every rank under DDP: the others wait for rank 0 at the
+    next all-reduce). The fsync waits on the disk, not the CPU, and releases the GIL; Lightning's AsyncCheckpointIO
+    moves the whole save to a thread, whose pickling competes with training for the GIL and a core
+    (docs/benchmarks.md). Every other call, `load_checkpoint` and Lightning's `teardown` (on every way out of a
+    fit) first wait for that rename and raise its error, so files land in order and none is left pending.
     """
 
+    def __init__(self):
+        super().__init__()
+        self._finisher: ThreadPoolExecutor | None = None
+        self._pending: Future | None = None
+
     def save_checkpoint(self, checkpoint: dict, path, storage_options=None) -> None:
-        if storage_options is not None:
-            raise TypeError(f"{type(self).__name__} takes no storage_options")
-        with replacing(Path(path)) as tmp, open(tmp, "wb") as file:
+        if storage_options not in (None, IN_PLACE_LATER):
+            raise TypeError(f"{type(self).__name__} takes storage_options=IN_PLACE_LATER or none")
+        self.wait()
+        path = Path(path)
+        tmp = _temporary(path)
+        with _abandoning(tmp, path), open(tmp, "wb") as file:
             recording = _RecordingFile(file)
             try:
                 torch.save(checkpoint, recording)
@@ -118,3 +154,30 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 if recording.error is not None:
                     raise recording.error from err
                 raise
+        if storage_options is None:
+            _put_in_place(tmp, path)
+            return
+        if self._finisher is None:
+            self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-in-place")
+        self._pending = self._finisher.submit(_put_in_place, tmp, path)
+
+    def wait(self) -> None:
+        """Wait until the last save is in place; raise its error if it failed."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def load_checkpoint(self, *args, **kwargs):
+        self.wait()
+        return super().load_checkpoint(*args, **kwargs)
+
+    def teardown(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self._finisher is not None:
+                self._finisher.shutdown()
+                self._finisher = None
+
+
+IN_PLACE_LATER = {"in_place": "later"}  # AtomicCheckpointIO's one storage option

@@ -25,6 +25,7 @@ from experiments import internals
 from experiments.divergence import check_before_saving
 from experiments.log_steps import ends_optimizer_step, is_log_step
 from experiments.run.checkpoints import RECORD_KEY
+from experiments.run.files import IN_PLACE_LATER
 
 
 class LastCheckpoint(Checkpoint):
@@ -108,8 +109,9 @@ class LastCheckpoint(Checkpoint):
             return
         started = time.perf_counter()
         if timed:
-            # The periodic save: the ranks go on while rank 0 writes (they meet again at the next all-reduce).
-            internals.save_checkpoint_without_barrier(trainer, self.path)
+            # The periodic save: the ranks go on while rank 0 writes (they meet again at the next all-reduce), and
+            # rank 0 while a thread puts the written file in place (the next save and the fit's end wait for it).
+            internals.save_checkpoint_without_barrier(trainer, self.path, storage_options=IN_PLACE_LATER)
         else:
             # The final position: every rank leaves the fit only once it is on disk.
             trainer.save_checkpoint(self.path, weights_only=False)  # said, or Lightning logs that it assumed it

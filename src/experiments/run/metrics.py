@@ -71,7 +71,9 @@ class Metrics:
     git_dirty: bool = key("", "whether that code had uncommitted changes (saved beside it as code-<hash>.diff)")
     # checkpoints/last.ckpt (checkpoint.*: every epoch's end by default)
     checkpoints_saved: int = key("", "last.ckpt saves at epoch ends and intervals in this start (not the final one)")
-    checkpoint_save_ms: float = key("ms", "mean wall time of one of those saves, written whole (fsync included)")
+    checkpoint_save_ms: float = key(
+        "ms", "mean wall time of one of those saves until training goes on (its fsync and rename finish in a thread)"
+    )
     # time to quality
     target_mse: float = key("", "target.mse_ratio x optimal_val_mse")
     time_to_target_s: float = key(
