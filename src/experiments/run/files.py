@@ -9,7 +9,7 @@ holds the dir's lock (experiments.run.lock), so that it never takes a running ru
 import os
 import re
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -28,19 +28,20 @@ STRAY_TEMP = re.compile(r"^\..+\.[a-z0-9_]{8}\.tmp$")
 
 
 @contextmanager
-def replacing(path: Path) -> Iterator[Path]:
+def replacing(path: Path, put_in_place: Callable[[Path, Path], None] | None = None) -> Iterator[Path]:
     """The one way this project writes a file whole or not at all: write to the yielded temporary path beside
     `path`; when the block ends, the file is flushed to disk and renamed over `path` (and the rename made
     durable); when it raises, the temporary file is removed and `path` is left as it was.
 
     Beside the target, not in the system's temp dir: a rename within one filesystem is atomic, a move across
-    two is a copy that a crash can cut in half.
+    two is a copy that a crash can cut in half. `put_in_place(tmp, path)` does the flush and the rename
+    (default: `_put_in_place`, before the block's end returns).
     """
     path = Path(path)
     tmp = _temporary(path)
     with _abandoning(tmp, path):
         yield tmp
-    _put_in_place(tmp, path)
+    (put_in_place or _put_in_place)(tmp, path)
 
 
 def _temporary(path: Path) -> Path:
@@ -144,9 +145,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         if storage_options not in (None, IN_PLACE_LATER):
             raise TypeError(f"{type(self).__name__} takes storage_options=IN_PLACE_LATER or none")
         self.wait()
-        path = Path(path)
-        tmp = _temporary(path)
-        with _abandoning(tmp, path), open(tmp, "wb") as file:
+        later = self._put_in_place_later if storage_options is not None else None
+        with replacing(Path(path), later) as tmp, open(tmp, "wb") as file:
             recording = _RecordingFile(file)
             try:
                 torch.save(checkpoint, recording)
@@ -154,9 +154,8 @@ class AtomicCheckpointIO(TorchCheckpointIO):
                 if recording.error is not None:
                     raise recording.error from err
                 raise
-        if storage_options is None:
-            _put_in_place(tmp, path)
-            return
+
+    def _put_in_place_later(self, tmp: Path, path: Path) -> None:
         if self._finisher is None:
             self._finisher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-in-place")
         self._pending = self._finisher.submit(_put_in_place, tmp, path)
