@@ -44,9 +44,9 @@ from hydra import compose, initialize_config_dir
 from experiments.commands.entry import CONFIG_DIR
 from experiments.commands.train import train
 from experiments.data import SyntheticRegression
-from experiments.perf import peak_resident_mb, synchronized_clock
-from experiments.run.last_checkpoint import LastCheckpoint
 from experiments.run.layout import RunPaths
+from experiments.training.last_checkpoint import LastCheckpoint
+from experiments.training.perf import peak_resident_mb, synchronized_clock
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {64: 1.25, 1024: 1.10}  # B: the project's step at most this times the raw loop's (CPU, fp32, d=1000)
@@ -121,7 +121,7 @@ def raw_loop(x, y, batch_size: int, steps: int, device: torch.device, precision:
 
 class StepClock(lightning.Callback):
     """The benchmark's own clock on the project's run: a mark at the end of every window of steps (where
-    Lightning's hooks run, experiments.windows) and the time spent in validation and saving last.ckpt (the run's
+    Lightning's hooks run, training.windows) and the time spent in validation and saving last.ckpt (the run's
     own count of it), for `check_ms`."""
 
     latest = None  # the clock of the latest run: the config builds it, the benchmark reads it

@@ -7,7 +7,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from experiments.reports import write_report
+from experiments.sweeps.report import write_report
 
 
 def main() -> None:

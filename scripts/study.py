@@ -5,7 +5,7 @@
                                                # target, batch_fit): its section replaced, the others kept
 
 Each claim is one or two Hydra multiruns of conf/experiment/study_*.yaml (outputs/study/<time>/<claim>/),
-read back through results.csv's sources (experiments.sweeps) and drawn with experiments.reports. Each claim is
+read back through results.csv's sources (sweeps.record) and drawn with sweeps.report. Each claim is
 one section of docs/study.md, between markers (<!-- study:CLAIM begin --> ... end), that says which run wrote
 it; every conclusion in a section is computed from the numbers of that run. Claims about GPUs are marked
 unverified unless a GPU ran them; with CUDA present the sweeps add the GPU (and larger sizes).
@@ -29,7 +29,10 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import torch  # noqa: E402
 
-from experiments.reports import (  # noqa: E402
+from experiments.run.files import write_atomic  # noqa: E402
+from experiments.run.layout import RunPaths  # noqa: E402
+from experiments.sweeps.record import Job, find_jobs  # noqa: E402
+from experiments.sweeps.report import (  # noqa: E402
     Section,
     accumulation_section,
     completed,
@@ -43,9 +46,6 @@ from experiments.reports import (  # noqa: E402
     throughput_section,
     time_to_target_section,
 )
-from experiments.run.files import write_atomic  # noqa: E402
-from experiments.run.layout import RunPaths  # noqa: E402
-from experiments.sweeps import Job, find_jobs  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs"

@@ -53,7 +53,7 @@ prefork_shim.main({python!r}, {socket!r})
 
 # What every command the tests run imports: once here, not once a command.
 PRELOAD = ["experiments.commands.train", "experiments.commands.evaluate", "experiments.commands.predict",
-           "experiments.sweeps", "tensorboard.backend.event_processing.event_accumulator"]  # fmt: skip
+           "experiments.sweeps.record", "tensorboard.backend.event_processing.event_accumulator"]  # fmt: skip
 
 
 def start(directory: Path) -> tuple:

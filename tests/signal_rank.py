@@ -1,6 +1,6 @@
 """A callback for a DDP test run from the command line (`+callbacks.signal_peer._target_=signal_rank.SignalPeer`,
 tests/ on the PYTHONPATH): from `step` on, the `sender` rank sends SIGTERM to its peer while the peer waits in the
-ranks' agreement on a stop (experiments.run.interruption), the sender not there yet (test_reliability.py)."""
+ranks' agreement on a stop (experiments.training.interruption), the sender not there yet (test_reliability.py)."""
 
 import os
 import signal
@@ -10,7 +10,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from experiments.run.interruption import Interruption
+from experiments.training.interruption import Interruption
 
 
 class SignalPeer(Callback):

@@ -21,18 +21,18 @@ from hydra import compose, initialize_config_dir
 from hydra.utils import instantiate
 from omegaconf import OmegaConf
 
-from experiments import batch_fit
 from experiments.commands.entry import CONFIG_DIR
 from experiments.commands.evaluate import evaluate
 from experiments.commands.train import train
 from experiments.config.checks import check_shapes
 from experiments.config.errors import ConfigError
 from experiments.data.loader import BatchLoader, EpochShuffle
-from experiments.module import Regressor
 from experiments.run.exits import RunFailed
 from experiments.run.layout import RunPaths
 from experiments.run.signals import Interrupted
 from experiments.run.summary import summary_lines
+from experiments.training import batch_fit
+from experiments.training.module import Regressor
 
 E = 192
 # A budget of 8 KiB: TINY's step (8 features) takes about 47 bytes a sample beside a fixed part of about 4.1 KiB

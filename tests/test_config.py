@@ -16,7 +16,7 @@ from experiments.commands.entry import CONFIG_DIR
 RUNTIME_ARGS = {
     "torch.nn.Linear": {"in_features": 8},
     "lightning.Trainer": {"callbacks": [], "logger": False},
-    "experiments.dashboard.TensorBoardLogger": {"save_dir": "."},
+    "experiments.training.dashboard.TensorBoardLogger": {"save_dir": "."},
     "lightning.pytorch.loggers.CSVLogger": {"save_dir": "."},
 }
 PARTIAL_ARGS = {
@@ -30,7 +30,7 @@ PARTIAL_ARGS = {
 # Constructors taking **kwargs, and where their documentation says those go: a typo there must fail too.
 KWARGS_GO_TO = {
     "lightning.pytorch.strategies.DDPStrategy": ("torch.nn.parallel.DistributedDataParallel", {"module": None}),
-    "experiments.dashboard.TensorBoardLogger": ("torch.utils.tensorboard.SummaryWriter", {}),
+    "experiments.training.dashboard.TensorBoardLogger": ("torch.utils.tensorboard.SummaryWriter", {}),
 }
 
 

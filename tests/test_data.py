@@ -5,7 +5,7 @@ import torch
 from experiments.config.errors import ConfigError
 from experiments.data import FileRegression, SyntheticRegression
 from experiments.data.loader import BatchLoader, EpochShuffle
-from experiments.module import Regressor
+from experiments.training.module import Regressor
 
 
 def test_synthetic_optimum_equals_numpy_least_squares():

@@ -14,8 +14,8 @@ from conftest import ROOT, TINY, cli, compose_config, python
 
 from experiments.commands.train import train
 from experiments.data import SyntheticRegression
-from experiments.module import Regressor
 from experiments.run.signals import Interrupted
+from experiments.training.module import Regressor
 
 # (override, what the line must name): one or two per group, and Hydra's own composition errors. Each is
 # a CLI start (a few seconds); the in-process checks (test_reliability.py) cover the other settings.

@@ -16,7 +16,7 @@ from experiments.commands.evaluate import evaluate
 from experiments.commands.predict import predict, write_predictions
 from experiments.commands.train import train
 from experiments.config.errors import ConfigError
-from experiments.run.checkpoints import RECORD_KEY, load_checkpoint
+from experiments.training.checkpoint import RECORD_KEY, load_checkpoint
 
 COLUMNS = ["rooms", "price", "age", "area"]  # the target in the middle: features are matched by name
 

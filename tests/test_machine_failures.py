@@ -382,9 +382,9 @@ def test_weights_that_diverged_between_loss_checks_never_reach_a_checkpoint(tmp_
     finite checkpoints."""
     from conftest import compose_config
 
-    from experiments import module
     from experiments.commands.train import train
     from experiments.run.exits import RunFailed
+    from experiments.training import module
 
     monkeypatch.setattr(module, "check_loss", lambda loss, trainer, step, batch_idx: None)
     cfg = compose_config("optimizer.lr=1.5", "trainer.max_epochs=40", "trainer.log_every_n_steps=100000", "logger=none")

@@ -24,9 +24,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from experiments.commands.entry import CONFIG_DIR
 from experiments.commands.train import train
 from experiments.config.errors import ConfigError
-from experiments.module import Regressor
 from experiments.run.signals import Interrupted
 from experiments.run.summary import summary_lines
+from experiments.training.module import Regressor
 
 MENU = ["callbacks", "scheduler", "optimizer", "debug", "hparams_search"]
 STEPS = 8  # optimizer steps per TINY epoch: 512 training samples, batch 64

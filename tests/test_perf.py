@@ -15,8 +15,8 @@ from experiments.config.errors import ConfigError
 from experiments.data import SyntheticRegression
 from experiments.data.datamodule import keep_on_device
 from experiments.data.least_squares import least_squares
-from experiments.module import Regressor
-from experiments.perf import process_start_time
+from experiments.training.module import Regressor
+from experiments.training.perf import process_start_time
 
 PERF = ["samples_per_sec", "step_time_ms", "transfer_ms", "peak_memory_mb"]
 

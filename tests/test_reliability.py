@@ -25,11 +25,11 @@ from experiments.commands.train import train
 from experiments.config.errors import ConfigError
 from experiments.data.loader import BatchLoader
 from experiments.distributed.lost_rank import LostRank
-from experiments.module import Regressor
 from experiments.run.exits import OutOfSpace, RunFailed
 from experiments.run.files import IN_PLACE_LATER, UMASK, AtomicCheckpointIO, write_atomic
-from experiments.run.interruption import Interruption
 from experiments.run.signals import Interrupted
+from experiments.training.interruption import Interruption
+from experiments.training.module import Regressor
 
 # ---------------------------------------------------------------------------------------------- bad input
 
@@ -210,7 +210,7 @@ def uninterrupted(tmp_path_factory):
 
 # (class and method that send the signal, at its n-th call, extra overrides, (global_step, epoch) where the run
 # stops). 8 training batches per epoch; the run stops at the end of the optimizer step that the signal falls in.
-# Lightning's per-batch hooks run once a window (experiments.windows): a step a window when every step is a log
+# Lightning's per-batch hooks run once a window (experiments.training.windows): a step a window when every step is a log
 # step (TINY), several otherwise; a window draws its micro-batches with `BatchLoader.next_batch`.
 INTERRUPTIONS = {
     "mid-epoch": (Regressor, "on_train_batch_start", 5, (), (5, 0)),
@@ -491,7 +491,7 @@ def test_a_lost_rank_on_another_host_is_named_by_the_address_in_gloos_error(tmp_
     assert lost.error(RuntimeError("some other failure"), step=7) is None
 
 
-# Windows of 25 steps under DDP (experiments.windows): the ranks agree on a signal's stop once a window, at its end.
+# Windows of 25 steps under DDP (training.windows): the ranks agree on a signal's stop once a window, at its end.
 DDP_WINDOWS = ["trainer.devices=2", "trainer.log_every_n_steps=25"]
 
 

@@ -12,9 +12,9 @@ import torch
 from conftest import ROOT, cli, python
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from experiments import reports
-from experiments.reports import fmt, markdown_table, median_of_repeats
-from experiments.sweeps import Job, find_jobs
+from experiments.sweeps import report as reports
+from experiments.sweeps.record import Job, find_jobs
+from experiments.sweeps.report import fmt, markdown_table, median_of_repeats
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

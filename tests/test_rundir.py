@@ -17,9 +17,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from experiments.commands.train import train
 from experiments.config.errors import ConfigError
-from experiments.module import Regressor
 from experiments.run.signals import Interrupted
 from experiments.run.state import State, identity, inspect
+from experiments.training.module import Regressor
 
 RESUMABLE = ["trainer.max_epochs=3", "optimizer.momentum=0.9"]  # momentum: optimizer state to restore
 

@@ -115,7 +115,7 @@ def runs(tmp_path_factory) -> dict:
     for name, overrides in {
         "ddp_256": ["trainer.devices=2", "data.batch_size=256"],
         "ddp_64x4": ["trainer.devices=2", "data.batch_size=64", "trainer.accumulate_grad_batches=4"],
-        # Windows of several steps (experiments.windows: to each log step, or to the epoch's end).
+        # Windows of several steps (experiments.training.windows: to each log step, or to the epoch's end).
         "ddp_64_w7": ["trainer.devices=2", *WINDOWED, "trainer.log_every_n_steps=7"],
         "ddp_64_w50": ["trainer.devices=2", *WINDOWED, "trainer.log_every_n_steps=50"],
         "ddp_16x4_w3": [
@@ -384,7 +384,7 @@ def test_environment_is_restored_after_a_job(monkeypatch):
 def test_ddp_ranks_agree_once_a_log_step_and_not_at_an_epoch_end_or_its_save(tmp_path):
     """Beyond the gradients' all-reduce (DDP's own, in C++: no Python call to count), a DDP run holds one small
     all-reduce at each log step's window end (the ranks' agreement on a signal), none at the other windows' ends
-    (here each epoch's end) and none at a save (every rank judges the same weights: experiments.divergence): no
+    (here each epoch's end) and none at a save (every rank judges the same weights: experiments.training.divergence): no
     barrier (Lightning's reduce puts one before each all-reduce, its save_checkpoint one after the write), no
     broadcast (Lightning's of its SIGTERM flag before every window). 8 steps an epoch, a log step every 16, no
     validation: two epochs hold one log step."""

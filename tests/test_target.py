@@ -9,9 +9,9 @@ from lightning.pytorch.callbacks import Callback
 from experiments.config.checks import check_config
 from experiments.config.errors import ConfigError
 from experiments.data import SyntheticRegression
-from experiments.module import Regressor
-from experiments.perf import PerfMonitor
-from experiments.target import TimeToTarget
+from experiments.training.module import Regressor
+from experiments.training.perf import PerfMonitor
+from experiments.training.target import TimeToTarget
 
 
 def test_a_reachable_target_stops_the_run_there(run_in_process):

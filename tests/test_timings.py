@@ -1,6 +1,6 @@
 """Tests that compare timings within a run or against the test's own clock: each runs `alone` (no other test beside
 it, tests/conftest.py), and this file runs last, so that an `alone` test waiting for the running tests to end keeps no
-other test from starting (docs/testing.md#workers). The step breakdown's parts (experiments.perf): slowing one part
+other test from starting (docs/testing.md#workers). The step breakdown's parts (training.perf): slowing one part
 raises that part alone; the start-up and wall time of a run against the user's clock."""
 
 import json
@@ -15,7 +15,7 @@ from conftest import cli, with_tests_on_path
 from lightning.pytorch.callbacks import Callback
 
 from experiments.data import SyntheticRegression
-from experiments.module import Regressor
+from experiments.training.module import Regressor
 
 
 class Sleep(torch.nn.Module):
@@ -39,7 +39,7 @@ class SlowCallback(Callback):
 
 def breakdown(net: torch.nn.Module | None = None, *callbacks: Callback) -> dict:
     """The step breakdown (PerfMonitor's summary) of 3 epochs of 8 steps, a window a step."""
-    from experiments.perf import PerfMonitor
+    from experiments.training.perf import PerfMonitor
 
     data = SyntheticRegression(num_samples=640, num_features=8, batch_size=64, seed=0)
     data.setup()
@@ -120,7 +120,7 @@ def test_a_slow_rank_raises_the_other_ranks_comm_ms_not_its_compute(tmp_path):
 @pytest.mark.alone
 def test_a_slow_save_of_last_ckpt_is_checkpoint_save_ms_not_a_steps_time(run_in_process, tmp_path, monkeypatch):
     # 4 epochs of 8 steps, last.ckpt at each epoch's end: 50 ms more a save would be 6 ms more a step if the step
-    # clock counted saves (it leaves them out, as it leaves out validation: experiments.perf).
+    # clock counted saves (it leaves them out, as it leaves out validation: experiments.training.perf).
     from experiments.run.files import AtomicCheckpointIO
 
     base, _ = run_in_process("trainer.max_epochs=4", "logger=none", run_dir=tmp_path / "base")

@@ -10,10 +10,10 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from experiments.commands.train import train
 from experiments.data.loader import BatchLoader
-from experiments.module import Regressor
 from experiments.run.exits import RunFailed
 from experiments.run.metrics import NAMES
 from experiments.run.signals import Interrupted
+from experiments.training.module import Regressor
 
 SCHEMA = set(NAMES)  # every key of metrics.json, from its one definition (experiments.run.metrics)
 TAGS = {

@@ -1,4 +1,4 @@
-"""Windows of steps (experiments.windows): where they end, that Lightning counts them as it counts batches, and
+"""Windows of steps (experiments.training.windows): where they end, that Lightning counts them as it counts batches, and
 that they change the speed, never the maths."""
 
 import lightning as L
@@ -8,8 +8,8 @@ from conftest import compose_config, final_weights
 
 from experiments.commands.train import train
 from experiments.data import SyntheticRegression
-from experiments.module import Regressor
-from experiments.windows import Position, window_batches
+from experiments.training.module import Regressor
+from experiments.training.windows import Position, window_batches
 
 
 @pytest.mark.parametrize(

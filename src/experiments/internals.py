@@ -27,8 +27,8 @@ def import_torchmetrics_without_matplotlib() -> None:
     the package installed?) holds, and Lightning imports torchmetrics at its own import, so no import order
     avoids it. That cache is read once, while torchmetrics is imported: a check that says no to matplotlib
     for that moment only. What changes: `Metric.plot()` asks for matplotlib to be installed; matplotlib itself
-    still imports (experiments.reports). It takes effect when this module is the process's first import of
-    Lightning or torchmetrics: every command's (experiments.sweeps, experiments.commands.entry.load_task).
+    still imports (experiments.sweeps.report). It takes effect when this module is the process's first import of
+    Lightning or torchmetrics: every command's (experiments.sweeps.record, experiments.commands.entry.load_task).
     """
     if "torchmetrics" in sys.modules:
         return  # imported already, with its plots
@@ -67,12 +67,12 @@ from lightning.pytorch.trainer import setup as trainer_setup
 from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from torch.utils import _python_dispatch
 
-from experiments.windows import Position
+from experiments.training.windows import Position
 
 
 def is_log_step(trainer: L.Trainer) -> bool:
     """Whether Lightning's logger writes on the optimizer step now running (`should_update_logs`): the one rule
-    of "every log_every_n_steps steps", which Lightning does not expose (experiments.log_steps)."""
+    of "every log_every_n_steps steps", which Lightning does not expose (experiments.training.log_steps)."""
     return trainer._logger_connector.should_update_logs
 
 
@@ -84,20 +84,20 @@ def accumulating(trainer: L.Trainer) -> bool:
 
 def write_step_metrics_now(trainer: L.Trainer) -> None:
     """Write the step's logged metrics now, inside `on_train_batch_end`: Lightning writes them only after that
-    hook, and a run that stops in it (experiments.run.interruption) would lose the step from its curves."""
+    hook, and a run that stops in it (experiments.training.interruption) would lose the step from its curves."""
     trainer._logger_connector.on_batch_end()
     trainer._logger_connector.update_train_step_metrics()
 
 
 # The attribute Lightning sets on the module before and after every hook call (about 45 a step); the module
-# skips torch's Module.__setattr__ checks for it (experiments.module).
+# skips torch's Module.__setattr__ checks for it (experiments.training.module).
 HOOK_NAME_ATTRIBUTE = "_current_fx_name"
 
 
 def optimize_manually(module: L.LightningModule) -> None:
     """Switch `module` to manual optimization once the Trainer has checked its settings (the `setup` hook).
 
-    The module's `training_step` runs a window of several micro-batches (experiments.windows), which only manual
+    The module's `training_step` runs a window of several micro-batches (training.windows), which only manual
     optimization allows. Lightning's configuration check (`_verify_loop_configurations`, which runs before the
     `setup` hooks) refuses `accumulate_grad_batches` and `gradient_clip_val` with manual optimization, yet the
     rest of its loop counts with them as with automatic optimization (`_should_accumulate`,
@@ -112,7 +112,7 @@ def window_position(trainer: L.Trainer, warming_up: bool = False) -> Position:
     `batch_idx`, ModelCheckpoint's `_every_n_train_steps` and LastCheckpoint's period, the time-based
     `_val_check_time_interval`)."""
     loop = trainer.fit_loop.epoch_loop
-    # ModelCheckpoint keeps its period private; the run's LastCheckpoint (experiments.run.last_checkpoint) does not.
+    # ModelCheckpoint keeps its period private; the run's LastCheckpoint (training.last_checkpoint) does not.
     periods = [getattr(c, "_every_n_train_steps", None) or getattr(c, "every_n_train_steps", None)
                for c in trainer.checkpoint_callbacks]  # fmt: skip
     every_steps = tuple(p for p in periods if p)
@@ -158,7 +158,7 @@ def skip_sigterm_broadcast(trainer: L.Trainer) -> None:
     """Drop the broadcast of rank 0's `received_sigterm` that Lightning 2.6 runs under DDP before every iteration of
     its training loop (`_TrainingEpochLoop._broadcast_sigterm_tensor`): one collective a window, about 0.5 ms on
     gloo between two CPU processes, and no setting turns it off. Only Lightning's own SIGTERM handler sets that
-    flag, and experiments.run.interruption replaces the handler when training starts (the ranks agree on every
+    flag, and experiments.training.interruption replaces the handler when training starts (the ranks agree on every
     signal at a log step's window end instead), so the broadcast would always say "no signal"."""
     trainer.fit_loop.epoch_loop._broadcast_sigterm_tensor = _no_broadcast
 
@@ -169,7 +169,7 @@ def _no_broadcast() -> None:
 
 def save_checkpoint_without_barrier(trainer: L.Trainer, path: str, storage_options=None) -> None:
     """`trainer.save_checkpoint(path, weights_only=False)` less its closing barrier: every rank builds the
-    checkpoint (its hooks agree on the weights: experiments.divergence), rank 0 writes it, and the others go on at
+    checkpoint (its hooks agree on the weights: training.divergence), rank 0 writes it, and the others go on at
     once rather than wait for the write in one more collective (about 0.5 ms on gloo); they wait at their next
     all-reduce anyway. Nothing they do before it reads the file (a lost rank's line reads the step from the file
     on disk). Lightning's `save_checkpoint` has no option to leave the barrier out. `storage_options` go to the
@@ -242,7 +242,7 @@ def job_error(job_return: JobReturn) -> BaseException:
 
 def summary_file_writer(writer):
     """The event file writer behind torch's `SummaryWriter`, to add a ready-made Summary proto (TensorBoard's hparams
-    plugin summaries, and a log step's scalars as one event: experiments.dashboard) to the run's own event file:
+    plugin summaries, and a log step's scalars as one event: training.dashboard) to the run's own event file:
     torch has no public call for that (its `add_hparams` writes into a new sub-run); Lightning's
     TensorBoardLogger.log_hyperparams does the same. Opened again if the writer was closed, as `add_scalar` does."""
     return writer._get_file_writer()
@@ -256,7 +256,7 @@ def _summary_writer_has_file_writer() -> bool:
 
 class CpuAllocations(_python_dispatch.TorchDispatchMode):
     """While active (`with counter:`), the bytes of the CPU tensors that torch allocates in this thread: `live`
-    now, `peak` the most at once (experiments.batch_fit measures a training step on the CPU with it).
+    now, `peak` the most at once (experiments.training.batch_fit measures a training step on the CPU with it).
 
     Why: torch keeps no statistics of its CPU allocator (CUDA has `max_memory_allocated`), and the process's
     resident set (VmHWM) does not see memory that glibc hands out again from its own heap: a second probe of the

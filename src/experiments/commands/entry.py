@@ -141,7 +141,7 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         print(stop, file=sys.stderr)
         if multirun:
             # The exit passes Hydra's callbacks by (SweepRecord): the job records itself.
-            from experiments.sweeps import record_interrupted_job  # a sweep's module: imported when needed
+            from experiments.sweeps.record import record_interrupted_job  # a sweep's module: imported when needed
 
             record_interrupted_job(HydraConfig.get())
         sys.exit(stop.exit_code)

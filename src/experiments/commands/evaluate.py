@@ -17,8 +17,8 @@ from experiments.config.checks import check_config
 from experiments.config.errors import ConfigError
 from experiments.data.least_squares import least_squares
 from experiments.run import provenance
-from experiments.run.checkpoints import Checkpoint, check_fits, load_checkpoint
 from experiments.run.files import write_atomic
+from experiments.training.checkpoint import Checkpoint, check_fits, load_checkpoint
 
 
 def override_keys(overrides: list[str]) -> list[str]:

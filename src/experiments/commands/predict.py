@@ -15,8 +15,8 @@ from experiments.commands.outputs import rows, run_into_own_dir, scoring_trainer
 from experiments.config.checks import check_config
 from experiments.data.files import Table, read_table
 from experiments.run import provenance
-from experiments.run.checkpoints import Checkpoint, check_fits, load_checkpoint
 from experiments.run.files import write_atomic
+from experiments.training.checkpoint import Checkpoint, check_fits, load_checkpoint
 
 
 def feature_columns(table: Table, checkpoint: Checkpoint) -> list[int]:

@@ -15,32 +15,32 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from experiments import batch_fit
-from experiments.callbacks import configured_callbacks, early_stop_record
 from experiments.commands.outputs import remove_refused_start
 from experiments.config.checks import check_config, check_shapes
 from experiments.config.sizes import FLOAT32, check_device_memory, check_model_memory
-from experiments.dashboard import Dashboard, run_name
 from experiments.distributed import nodes, slurm
 from experiments.distributed.launcher import ranks_join_this_job
 from experiments.distributed.lost_rank import LostRank
 from experiments.distributed.nodes import RankHosts
 from experiments.distributed.ranks import end_with_parent, this_rank
-from experiments.log_steps import LogStepProgressBar
-from experiments.module import Regressor
-from experiments.perf import PerfMonitor, run_start_time
 from experiments.run import lock, provenance, state
-from experiments.run.checkpoints import check_fits, load_checkpoint, resolve_checkpoint
 from experiments.run.exits import OutOfSpace, is_out_of_space, out_of_memory, quiet_full_disk_in_threads
 from experiments.run.files import AtomicCheckpointIO, remove_stray_temps
-from experiments.run.interruption import Interruption
-from experiments.run.last_checkpoint import LastCheckpoint
 from experiments.run.layout import RunPaths
 from experiments.run.metrics import final_figures, record, run_record, write_metrics
 from experiments.run.signals import Interrupted
 from experiments.run.summary import EpochLines, print_summary, quiet_lightning
-from experiments.sweeps import swept_overrides
-from experiments.target import TimeToTarget
+from experiments.sweeps.record import swept_overrides
+from experiments.training import batch_fit
+from experiments.training.callbacks import configured_callbacks, early_stop_record
+from experiments.training.checkpoint import check_fits, load_checkpoint, resolve_checkpoint
+from experiments.training.dashboard import Dashboard, run_name
+from experiments.training.interruption import Interruption
+from experiments.training.last_checkpoint import LastCheckpoint
+from experiments.training.log_steps import LogStepProgressBar
+from experiments.training.module import Regressor
+from experiments.training.perf import PerfMonitor, run_start_time
+from experiments.training.target import TimeToTarget
 
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
@@ -56,7 +56,7 @@ def train(cfg: DictConfig, run_dir: Path) -> dict:
             return _train(cfg, run_dir, writer)
         except BaseException:
             # A refused or failed start that recorded no run leaves nothing, not even Hydra's .hydra/ and log
-            # file; a sweep's job keeps its dir, where its failed row's record goes (experiments.sweeps).
+            # file; a sweep's job keeps its dir, where its failed row's record goes (experiments.sweeps.record).
             if writer and not _in_sweep():
                 job = HydraConfig.get().job.name if HydraConfig.initialized() else "train"
                 remove_refused_start(run_dir, f"{job}.log")

@@ -153,7 +153,7 @@ def _check_synthetic_shapes(cfg: DictConfig) -> None:
     train = samples - round(samples * cfg.data.val_fraction)  # as RegressionData.setup splits
     effective = OmegaConf.select(cfg, "batch.effective")
     in_features = OmegaConf.select(cfg, "model.in_features")
-    if effective is not None:  # it chooses data.batch_size and the accumulation (experiments.batch_fit)
+    if effective is not None:  # it chooses data.batch_size and the accumulation (experiments.training.batch_fit)
         check_effective(effective, world_size(cfg.trainer) or 1, train)
         check_shapes(1, train, in_features, features)
     else:
@@ -186,7 +186,7 @@ def check_shapes(
 
 def check_effective(effective: int, ranks: int, train_samples: int | None = None) -> None:
     """batch.effective must split over the ranks and fit in the training split (when known: from the config for
-    synthetic data, from the data once read, experiments.batch_fit)."""
+    synthetic data, from the data once read, experiments.training.batch_fit)."""
     if effective % ranks:
         lower, upper = effective // ranks * ranks, (effective // ranks + 1) * ranks
         raise ConfigError(

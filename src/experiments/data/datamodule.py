@@ -9,7 +9,7 @@ import torch
 
 from experiments.data.least_squares import least_squares
 from experiments.data.loader import BatchLoader, EpochShuffle, StepWindows
-from experiments.perf import BatchClock, TransferClock
+from experiments.training.perf import BatchClock, TransferClock
 
 # data.on_device=auto keeps the data on a GPU when it takes at most this share of the GPU's free memory; the rest
 # is left for the model, its gradients and optimizer state, and the batches sliced from the data.
@@ -86,7 +86,7 @@ class RegressionData(L.LightningDataModule):
             self.x_train = (self.x_train - self.feature_mean) / self.feature_std
             self.x_val = (self.x_val - self.feature_mean) / self.feature_std
 
-    # Solved when first read: at the first validation (experiments.target, whose time counts as validation), or
+    # Solved when first read: at the first validation (experiments.training.target, whose time counts as validation), or
     # after training, for metrics.json. Never beside the training steps: the solve (17 s at d=1000 on two cores)
     # would share their cores.
     @cached_property

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import torch
 
-from experiments.perf import BatchClock, TransferClock
+from experiments.training.perf import BatchClock, TransferClock
 
 
 class EpochShuffle:
@@ -51,7 +51,7 @@ class BatchLoader:
     `clock` (a BatchClock) adds up the host time spent forming batches. `reuse=True` gathers every batch into
     the same two tensors, as the seed's loop written by an expert does: a fresh batch each step costs page
     faults and frees that grow with the batch (4 MB at B=1024, d=1000), more than the gather itself; a batch
-    then holds only until the next one is formed, which suits a training window (experiments.windows).
+    then holds only until the next one is formed, which suits a training window (experiments.training.windows).
     `device`: where the batches go, `transfer` timing the copies (a window's batches are copied here, not by
     Lightning). `pin_memory` gathers each batch straight into page-locked host memory, from which a copy to a
     GPU is a DMA that need not block the host (`non_blocking`); those batches come from PyTorch's caching host
@@ -177,7 +177,7 @@ class BatchLoader:
 
 
 class StepWindows:
-    """The training loader that Lightning iterates: each item is a window (experiments.windows), the loader
+    """The training loader that Lightning iterates: each item is a window (experiments.training.windows), the loader
     itself, from which the module's `training_step` draws the window's micro-batches (`next_batch`).
 
     Its length is the loader's, in micro-batches, which Lightning's counters count (the module counts a window's

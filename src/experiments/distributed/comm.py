@@ -1,5 +1,5 @@
 """The gradients' all-reduce of DDP, timed: `comm_ms`, the part of a DDP step spent communicating or waiting for the
-other ranks, which would otherwise hide in compute_ms (experiments.perf).
+other ranks, which would otherwise hide in compute_ms (experiments.training.perf).
 
 DDP hands a bucket of gradients to its all-reduce as soon as the bucket's last gradient has been accumulated, and
 its backward pass returns only once every bucket's all-reduce has completed. A post-accumulate-grad hook on each

@@ -10,7 +10,7 @@ class DataParallelStrategy(ParallelStrategy):
     `trainer.devices` GPUs and the outputs gathered on the first, where the loss is taken over the whole batch.
 
     Lightning 2.0 removed its own (`strategy="dp"`). Lightning 1.9's ran each replica's `training_step` on its
-    share; here the module's `training_step` runs a window of optimizer steps (experiments.windows), so it runs
+    share; here the module's `training_step` runs a window of optimizer steps (experiments.training.windows), so it runs
     once, on the first GPU, and only its net's forward pass is data-parallel (a DataParallel of the net, which
     replicates it on every call; without CUDA it calls the net itself). Validation, test and predict steps run
     on the first GPU alone: torchmetrics states must update in the module itself.

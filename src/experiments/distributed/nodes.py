@@ -19,8 +19,8 @@ from lightning.pytorch.callbacks import Callback
 
 from experiments.distributed.lost_rank import LostRank, this_process
 from experiments.run import provenance
-from experiments.run.last_checkpoint import LastCheckpoint
 from experiments.run.layout import RunPaths
+from experiments.training.last_checkpoint import LastCheckpoint
 
 
 def _run(*command: str) -> str:

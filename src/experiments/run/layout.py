@@ -50,7 +50,7 @@ class RunPaths:
         return self.root / f"code-{digest[:12]}.diff"
 
     @property
-    def job_record(self) -> Path:  # a sweep job's status and error as Hydra saw them (experiments.sweeps)
+    def job_record(self) -> Path:  # a sweep job's status and error as Hydra saw them (experiments.sweeps.record)
         return self.root / "job.json"
 
 

@@ -24,6 +24,12 @@ from experiments.run.layout import RunPaths
 IGNORED = ("ckpt_path", "trainer.enable_progress_bar", "trainer.enable_model_summary", "checkpoint")
 # With batch.effective set, the batch and accumulation that it chose (and run.yaml records) are not the user's.
 FITTED = ("data.batch_size", "trainer.accumulate_grad_batches")
+# Classes that moved (issue 39's layout, 2026-12): a run.yaml written before names them by their old path, and
+# is still the same run. Their old modules are gone, so this maps names only; nothing old is imported.
+MOVED = {
+    "experiments.perf.NoProfiler": "experiments.training.perf.NoProfiler",
+    "experiments.dashboard.TensorBoardLogger": "experiments.training.dashboard.TensorBoardLogger",
+}
 
 
 class State(Enum):
@@ -44,7 +50,7 @@ class RunDir:
 def identity(cfg: DictConfig) -> dict:
     """What makes two configs the same run: the composed config, resolved, without `IGNORED` (nor `FITTED` when
     batch.effective chooses them)."""
-    tree = OmegaConf.to_container(cfg, resolve=True)
+    tree = _renamed(OmegaConf.to_container(cfg, resolve=True))
     tree.pop("hydra", None)
     fitted = (tree.get("batch") or {}).get("effective") is not None
     for key in IGNORED + (FITTED if fitted else ()):
@@ -55,6 +61,13 @@ def identity(cfg: DictConfig) -> dict:
         if isinstance(node, dict):
             node.pop(leaf, None)
     return tree
+
+
+def _renamed(node):
+    """`node` with every `_target_` that `MOVED` names at its new path."""
+    if isinstance(node, dict):
+        return {k: MOVED.get(v, v) if k == "_target_" else _renamed(v) for k, v in node.items()}
+    return [_renamed(v) for v in node] if isinstance(node, list) else node
 
 
 def inspect(run_dir: Path, cfg: DictConfig) -> RunDir:

@@ -19,7 +19,7 @@ from experiments import internals
 from experiments.config.errors import ConfigError
 from experiments.run.exits import EXIT_BAD_INPUT, EXIT_FAILED, Abort, RunFailed
 from experiments.run.layout import SweepPaths
-from experiments.sweeps import find_jobs, one_line, record_failed_job, write_results
+from experiments.sweeps.record import find_jobs, one_line, record_failed_job, write_results
 
 from ._space import grid, search_space
 

@@ -22,10 +22,10 @@ from lightning.pytorch.callbacks import Checkpoint
 from omegaconf import DictConfig, OmegaConf
 
 from experiments import internals
-from experiments.divergence import check_before_saving
-from experiments.log_steps import ends_optimizer_step, is_log_step
-from experiments.run.checkpoints import RECORD_KEY
 from experiments.run.files import IN_PLACE_LATER
+from experiments.training.checkpoint import RECORD_KEY
+from experiments.training.divergence import check_before_saving
+from experiments.training.log_steps import ends_optimizer_step, is_log_step
 
 
 class LastCheckpoint(Checkpoint):

@@ -10,11 +10,11 @@ from experiments.run.exits import RunFailed
 
 def check_loss(loss: torch.Tensor, trainer: L.Trainer, step: int, batch_idx: int) -> None:
     """Raise `RunFailed` when the loss is not finite at the micro-batch `batch_idx` of the epoch, in optimizer step
-    `step` (counted from 0; the module checks before the backward pass, experiments.module).
+    `step` (counted from 0; the module checks before the backward pass, experiments.training.module).
 
     On the CPU reading the loss costs well under a microsecond, so every micro-batch is checked and the run stops
     at the step that diverged. On an accelerator `.item()` waits for the device, so the loss is read once a
-    window (experiments.windows: a window ends at least at every log step): a diverged model stays non-finite,
+    window (experiments.training.windows: a window ends at least at every log step): a diverged model stays non-finite,
     so the run still stops, at most `trainer.log_every_n_steps` optimizer steps late.
     """
     value = loss.item()
@@ -28,7 +28,7 @@ def check_loss(loss: torch.Tensor, trainer: L.Trainer, step: int, batch_idx: int
 
 def check_before_saving(trainer: L.Trainer, module: L.LightningModule) -> None:
     """Raise `RunFailed` rather than save weights that diverged: every checkpoint (the periodic last.ckpt, a
-    signal's, a ModelCheckpoint's top-k) passes here first (experiments.run.last_checkpoint).
+    signal's, a ModelCheckpoint's top-k) passes here first (experiments.training.last_checkpoint).
 
     On an accelerator `check_loss` reads the loss only at a window's last micro-batch, before its backward pass, so
     a window's steps (its last one included, or a signal's shortened window) can make the weights non-finite

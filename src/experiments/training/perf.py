@@ -12,8 +12,8 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.profilers import PassThroughProfiler
 
 from experiments import internals
-from experiments.log_steps import ends_optimizer_step, is_log_step
-from experiments.windows import WARMUP_BATCHES
+from experiments.training.log_steps import ends_optimizer_step, is_log_step
+from experiments.training.windows import WARMUP_BATCHES
 
 
 def peak_memory_mb(device: torch.device) -> float:
@@ -227,11 +227,11 @@ class PerfMonitor(Callback):
 
     Step time counts micro-steps (one global batch of `data.batch_size` samples each). The clock starts at the
     first optimizer-step boundary after `warmup_steps` micro-steps (the first windows run a step each:
-    experiments.windows), so start-up and first-step compilation stay out of the steady state: step time =
+    experiments.training.windows), so start-up and first-step compilation stay out of the steady state: step time =
     (T(N) - T(warmup)) / (N - warmup), with time spent in validation and in saving last.ckpt left out (a save's
     cost is metrics.json's `checkpoint_save_ms`: a step is what the raw loop does, not the run's I/O). Its hooks
     run once a window, and count the window's micro-batches from Lightning's counters. The device is
-    synchronised only when a figure is read: on log steps (experiments.log_steps), around validation and at the
+    synchronised only when a figure is read: on log steps (experiments.training.log_steps), around validation and at the
     end.
 
     A step's time is split into `data_ms` (forming the batch: BatchClock), `transfer_ms` (host-to-device

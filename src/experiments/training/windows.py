@@ -6,12 +6,12 @@ micro-batches, in plain PyTorch, and Lightning's loop runs once a window. A wind
 would do something between two batches, so that everything it does happens where it would with one batch an
 iteration: at every log step, at an epoch's end, at `max_steps`, where validation or a checkpoint every n
 steps is due, and during the first `WARMUP_BATCHES` micro-batches of a fit, which PerfMonitor leaves out of the
-steady state (experiments.perf).
+steady state (experiments.training.perf).
 
 Several ranks run the same windows with no collective to agree on them: each computes the window from the same
 Position (Lightning's counters, the same on every rank). What the ranks must agree on (a signal's stop, a
 target, validation's figures) is agreed where Lightning's hooks run, at some windows' ends (a signal's stop: at a
-log step's, experiments.run.interruption); inside a window the only
+log step's, experiments.training.interruption); inside a window the only
 collective is the gradients' all-reduce of each optimizer step, as in a plain DDP loop.
 """
 

@@ -8,8 +8,8 @@ validation: every epoch by default, or `trainer.val_check_interval`.
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
-from experiments.perf import PerfMonitor
 from experiments.run.summary import EXACT_FIT
+from experiments.training.perf import PerfMonitor
 
 
 class TimeToTarget(Callback):

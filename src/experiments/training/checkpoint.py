@@ -15,8 +15,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config.errors import ConfigError
-from experiments.module import Regressor
 from experiments.run.layout import RunPaths, run_of_checkpoint
+from experiments.training.module import Regressor
 
 # The checkpoint's entry written by `run.last_checkpoint.LastCheckpoint`: a top-level key, beside Lightning's own.
 RECORD_KEY = "run"
@@ -34,7 +34,7 @@ class Checkpoint:
     target_name: str | None
     global_step: int  # the optimizer step it resumes at: where a resumed run's curves restart
     setting: str = "ckpt_path"
-    batch_fit: dict | None = None  # batch.effective's fit (experiments.batch_fit.Fit's fields); None when off
+    batch_fit: dict | None = None  # batch.effective's fit (experiments.training.batch_fit.Fit's fields); None when off
     provenance: dict | None = None  # what produced it (experiments.run.provenance); None in older checkpoints
 
     @property
@@ -50,7 +50,7 @@ class Checkpoint:
 
 
 def load_checkpoint(path: str | Path, setting: str = "ckpt_path") -> Checkpoint:
-    """Read and check a checkpoint of `experiments.module.Regressor`; ConfigError names `setting=path`."""
+    """Read and check a checkpoint of `experiments.training.module.Regressor`; ConfigError names `setting=path`."""
     path = Path(path)
 
     def refuse(problem: str) -> ConfigError:

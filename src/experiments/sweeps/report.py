@@ -19,7 +19,7 @@ from matplotlib.ticker import NullFormatter  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 
 from experiments.run.files import replacing, write_atomic  # noqa: E402
-from experiments.sweeps import Job, find_jobs  # noqa: E402
+from experiments.sweeps.record import Job, find_jobs  # noqa: E402
 
 # Settings that a section reads from metrics.json instead (the values that ran, whatever set them).
 BATCH_KEYS = ("data.batch_size",)

@@ -14,7 +14,7 @@ from experiments.run.layout import RunPaths
 def configured_callbacks(cfg: DictConfig, run_dir: Path) -> list[Callback]:
     """One callback per key of `cfg.callbacks` (a key set to null is left out). (`train/lr` is the module's own
     point: Lightning's LearningRateMonitor logs at the start of an iteration of Lightning's loop, which runs a
-    window of steps that ends at a log step: experiments.windows.)"""
+    window of steps that ends at a log step: experiments.training.windows.)"""
     callbacks = []
     for name, node in (cfg.callbacks or {}).items():
         if node is None:

@@ -9,8 +9,8 @@ from lightning.pytorch.callbacks import Callback
 
 from experiments import internals
 from experiments.distributed import comm
-from experiments.log_steps import ends_optimizer_step, is_log_step
 from experiments.run.signals import Interrupted, handling_signals, install
+from experiments.training.log_steps import ends_optimizer_step, is_log_step
 
 
 class Interruption(Callback):
@@ -32,10 +32,10 @@ class Interruption(Callback):
     checkpoint too (`BatchLoader.state_dict`).
 
     Ranks agree on the step to stop at, and on the signal, through one small all-reduce at each log step's window
-    end and at the end of training (experiments.windows: the hook runs once a window), only when there is more
+    end and at the end of training (experiments.training.windows: the hook runs once a window), only when there is more
     than one rank: a signal reaches one rank (`kill` of the launching process) or all of them at slightly
     different times (Ctrl-C, SLURM's signals to each node), and `save_checkpoint` is a collective that every rank
-    must enter. With one rank the module ends its window at the next optimizer step (experiments.module); with
+    must enter. With one rank the module ends its window at the next optimizer step (experiments.training.module); with
     several every rank runs its window to the end, the same optimizer step on each, so a stop waits at most
     `trainer.log_every_n_steps` steps (0: an epoch). Not at the windows that end at an epoch's end or a save
     between two log steps: at a large batch an epoch is a few steps, and an all-reduce there costs about one

@@ -3,7 +3,7 @@
 - Run names: a sweep job's TensorBoard run is named for what its sweep varies (`0/tensorboard/batch_size=64`).
 - Time Series opens on curves: Lightning's `epoch` staircase is dropped; the final figures go under `whole_run/`,
   a group that sorts after the curves' `perf/`, `train/` and `val/` (Time Series opens its first two groups).
-- `val/mse_over_optimum` (written by experiments.target): each validation's MSE over the exact optimum's.
+- `val/mse_over_optimum` (written by experiments.training.target): each validation's MSE over the exact optimum's.
 - HPARAMS: one row per run. Its columns are the key settings and the swept ones, declared with TensorBoard's
   hparams protos; TensorBoard lists those marked `differs` first, then by name, and shows the first five. Its
   metrics are metrics.json's final figures (`METRICS`, in that order: the first five shown).
@@ -164,7 +164,7 @@ class Dashboard:
     every callback's hooks on every step, and this has nothing to do there."""
 
     def __init__(self, cfg: DictConfig, swept: dict[str, str], trial_id: str):
-        self.cfg, self.swept = cfg, swept  # swept: experiments.sweeps.swept_overrides ({} outside a sweep)
+        self.cfg, self.swept = cfg, swept  # swept: experiments.sweeps.record.swept_overrides ({} outside a sweep)
         self.trial_id = trial_id  # HPARAMS' first column, "Trial ID"
 
     def columns(self, trainer: L.Trainer, data) -> dict:

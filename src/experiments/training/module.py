@@ -12,11 +12,11 @@ from torchmetrics import MeanAbsoluteError, MeanSquaredError, MetricCollection, 
 from experiments import internals
 from experiments.data.loader import BatchLoader
 from experiments.distributed import comm
-from experiments.divergence import check_loss
-from experiments.log_steps import is_log_step
-from experiments.perf import ComputeClock
-from experiments.run.interruption import Interruption
-from experiments.windows import WARMUP_BATCHES, window_batches
+from experiments.training.divergence import check_loss
+from experiments.training.interruption import Interruption
+from experiments.training.log_steps import is_log_step
+from experiments.training.perf import ComputeClock
+from experiments.training.windows import WARMUP_BATCHES, window_batches
 
 
 class Regressor(L.LightningModule):
@@ -78,19 +78,19 @@ class Regressor(L.LightningModule):
         self._scheduler = configs[0].scheduler if configs else None
         self._scaler = getattr(trainer.precision_plugin, "scaler", None)  # 16-mixed: the gradient scaler
         # One rank alone must not end a window early (the others would wait in their next all-reduce): under
-        # several ranks a signal is agreed at a log step's window end (experiments.run.interruption).
+        # several ranks a signal is agreed at a log step's window end (experiments.training.interruption).
         interruption = next((c for c in trainer.callbacks if isinstance(c, Interruption)), None)
         self._interruption = interruption if trainer.world_size == 1 else None
         self._comm = comm.timed(trainer.strategy.model) if trainer.world_size > 1 else None  # comm_ms
         self._fit_batches = 0  # micro-batches of this fit: the first ones run a step a window (windows.py)
 
     def training_step(self, window: BatchLoader, batch_idx: int) -> None:
-        """One window (experiments.windows): micro-batches drawn from `window`, each a forward pass, the MSE and
+        """One window (training.windows): micro-batches drawn from `window`, each a forward pass, the MSE and
         its backward pass, and at the end of each accumulation an optimizer step (and a scheduler step), in plain
         PyTorch, as Lightning's automatic optimization would run them: the loss divided by
         `accumulate_grad_batches`, gradients clipped as the Trainer says, DDP's all-reduce in the backward pass
         of a step's last micro-batch only, the gradients set to None after the step. With one rank, a signal
-        (experiments.run.interruption) ends the window at the next optimizer step; with several, the window runs
+        (experiments.training.interruption) ends the window at the next optimizer step; with several, the window runs
         to its end, and the ranks agree at a log step's.
 
         The compute clock (compute_ms) times each micro-batch from its forward pass to the end of its update, less
@@ -149,7 +149,7 @@ class Regressor(L.LightningModule):
                     seconds += perf_counter() - began
                 else:
                     clock.stop(step_done=ends_step)
-                del x, y  # one batch alive at a time (experiments.batch_fit measures a step with one)
+                del x, y  # one batch alive at a time (experiments.training.batch_fit measures a step with one)
                 if ends_step and interruption is not None and interruption.signum is not None:
                     break
         finally:
@@ -158,7 +158,7 @@ class Regressor(L.LightningModule):
             if host_clock:
                 clock.add(seconds - waited, done, waited)
         self.last_loss = mse.detach()  # metrics.json's train_loss: read once, after the fit
-        if is_log_step(trainer):  # the window ends at a log step (experiments.windows)
+        if is_log_step(trainer):  # the window ends at a log step (experiments.training.windows)
             self._log_step(self.last_loss, lr)
 
     def _log_step(self, loss: torch.Tensor, lr: float | None) -> None:
@@ -175,7 +175,7 @@ class Regressor(L.LightningModule):
             values["train/lr"] = lr
         for logger in self.trainer.loggers:
             logger.log_metrics(values, step=self.trainer.global_step - 1)
-            logger.save()  # on disk, as Lightning's logger connector does (experiments.log_steps.TensorBoardLogger)
+            logger.save()  # on disk, as Lightning's logger connector does (training.log_steps.TensorBoardLogger)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch

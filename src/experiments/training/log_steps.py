@@ -4,7 +4,7 @@ Lightning writes logged values on optimizer step s (counted from 1 over the whol
 s % log_every_n_steps == 0, and on the step at which the trainer stops (its logger connector's
 `should_update_logs`). `train/loss`, the perf figures, the divergence check on accelerators and the progress
 bar all follow it, so that their points fall on the same steps (under accumulation: the same optimizer steps).
-A log step ends a window of the module's training steps (experiments.windows), where Lightning's hooks run.
+A log step ends a window of the module's training steps (experiments.training.windows), where Lightning's hooks run.
 """
 
 import math
@@ -18,7 +18,7 @@ from experiments import internals
 
 def is_log_step(trainer: L.Trainer) -> bool:
     """Whether the optimizer step now running (under accumulation: each of its micro-steps) is a log step; in a
-    window's `on_train_batch_end`, whether the window's last step is (experiments.windows).
+    window's `on_train_batch_end`, whether the window's last step is (experiments.training.windows).
 
     Lightning counts the step only after its `on_train_batch_end`.
     """
