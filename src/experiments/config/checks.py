@@ -6,14 +6,14 @@ started. `RULES` checks one setting at a time; the functions below check what se
 import math
 
 import torch
-from hydra.utils import get_class
 from lightning.pytorch.accelerators import AcceleratorRegistry
 from lightning.pytorch.strategies import StrategyRegistry
-from omegaconf import DictConfig, ListConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf
 
 from experiments import internals
 from experiments.config.errors import ConfigError
 from experiments.config.sizes import check_synthetic_memory
+from experiments.config.topology import device_count, parse_devices, strategy_class, world_size
 from experiments.distributed.dp import DataParallelStrategy
 from experiments.distributed.single import SingleDevice
 
@@ -24,18 +24,6 @@ def _integer(v) -> bool:
 
 def _real(v) -> bool:
     return isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
-
-
-def parse_devices(value) -> str | int | list:
-    """`trainer.devices` as Lightning reads it: "auto", an int (-1: every device) or a list of device indices.
-
-    Strings such as "2", "-1" and "0,1" go through Lightning's own parser; anything else raises ValueError.
-    """
-    if isinstance(value, ListConfig):
-        return list(value)
-    if isinstance(value, str) and value != "auto":
-        return internals.parse_device_string(value)
-    return value
 
 
 def _devices(v) -> bool:
@@ -184,15 +172,20 @@ def check_shapes(
         )
 
 
+def check_splits(setting: str, batch: int, ranks: int, why: str = "") -> None:
+    """A batch of `setting` must split evenly over the ranks (each takes batch / ranks)."""
+    if batch % ranks:
+        lower, upper = batch // ranks * ranks, (batch // ranks + 1) * ranks
+        raise ConfigError(
+            f"{setting}={batch} does not split over {ranks} ranks{why}; allowed: a multiple of {ranks}, e.g. "
+            f"{' or '.join(str(b) for b in (lower, upper) if b)}"
+        )
+
+
 def check_effective(effective: int, ranks: int, train_samples: int | None = None) -> None:
     """batch.effective must split over the ranks and fit in the training split (when known: from the config for
     synthetic data, from the data once read, experiments.training.batch_fit)."""
-    if effective % ranks:
-        lower, upper = effective // ranks * ranks, (effective // ranks + 1) * ranks
-        raise ConfigError(
-            f"batch.effective={effective} does not split over {ranks} ranks; allowed: a multiple of {ranks}, e.g. "
-            f"{' or '.join(str(b) for b in (lower, upper) if b)}"
-        )
+    check_splits("batch.effective", effective, ranks)
     if train_samples is not None and effective > train_samples:
         raise ConfigError(
             f"batch.effective={effective} is larger than the training split ({train_samples} samples): no optimizer "
@@ -211,41 +204,12 @@ def _check_strategy_name(strategy) -> None:
     )
 
 
-def _strategy_class(strategy) -> type | None:
-    target = strategy.get("_target_") if isinstance(strategy, DictConfig) else None
-    return get_class(target) if target else None
-
-
-def _device_count(trainer: DictConfig) -> int | None:
-    """Devices per node as Lightning will read `trainer.devices`; None when it cannot be told here."""
-    try:
-        devices = parse_devices(trainer.devices)
-    except ValueError:
-        return None
-    if isinstance(devices, list):  # device ids
-        return len(devices)
-    if devices in ("auto", -1):
-        gpu = trainer.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
-        return torch.cuda.device_count() if gpu else 1
-    return devices if isinstance(devices, int) and devices > 0 else None
-
-
-def world_size(trainer: DictConfig) -> int | None:
-    """The number of ranks the trainer config will start: devices x nodes, or 1 for single and dp."""
-    strategy = trainer.get("strategy", "auto")  # eval.py's and predict.py's trainers have none
-    cls = _strategy_class(strategy)
-    if strategy in ("single_device", "dp") or (cls and issubclass(cls, (SingleDevice, DataParallelStrategy))):
-        return 1
-    devices = _device_count(trainer)
-    return None if devices is None else devices * trainer.num_nodes
-
-
 def check_strategy(cfg: DictConfig) -> None:
     """Settings that would fail only after data is built or ranks are started: refuse them now."""
     trainer = cfg.trainer
-    devices = _device_count(trainer)
+    devices = device_count(trainer)
     strategy = trainer.get("strategy", "auto")
-    cls = _strategy_class(strategy)
+    cls = strategy_class(strategy)
     if cls and issubclass(cls, DataParallelStrategy):
         if trainer.accelerator not in ("auto", "gpu", "cuda") or not torch.cuda.is_available():
             raise ConfigError(
@@ -270,10 +234,6 @@ def check_strategy(cfg: DictConfig) -> None:
     effective = OmegaConf.select(cfg, "batch.effective")
     if ranks and effective is not None:  # the fit chooses data.batch_size, a multiple of the ranks
         check_effective(effective, ranks)
-    elif ranks and batch and batch % ranks:
-        lower, upper = batch // ranks * ranks, (batch // ranks + 1) * ranks
-        raise ConfigError(
-            f"data.batch_size={batch} does not split over {ranks} ranks (trainer.devices={trainer.devices} x "
-            f"trainer.num_nodes={trainer.num_nodes}); allowed: a multiple of {ranks}, e.g. "
-            f"{' or '.join(str(b) for b in (lower, upper) if b)}"
-        )
+    elif ranks and batch:
+        check_splits("data.batch_size", batch, ranks, f" (trainer.devices={trainer.devices} x "
+                     f"trainer.num_nodes={trainer.num_nodes})")  # fmt: skip

@@ -21,6 +21,7 @@ from pathlib import Path
 import numpy as np
 
 from experiments.config.errors import ConfigError
+from experiments.config.topology import local_processes
 
 FLOAT32 = 4
 CSV_FIELD_OVERHEAD = 57  # bytes of a Python str (49) and its list slot (8), beside the field's own characters
@@ -70,14 +71,6 @@ def host_available() -> int | None:
     if room is not None:
         found.append(room)
     return min(found) if found else None
-
-
-def local_processes(cfg) -> int:
-    """Processes on this node that each hold the data: the devices of a DDP run, else 1 (one device, dp)."""
-    from experiments.config.checks import world_size  # the strategy's rules: one place
-
-    ranks = world_size(cfg.trainer)
-    return max(1, ranks // max(1, cfg.trainer.num_nodes)) if ranks else 1
 
 
 def _first_local_rank() -> bool:
