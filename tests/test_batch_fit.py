@@ -26,6 +26,7 @@ from experiments.commands.evaluate import evaluate
 from experiments.commands.train import train
 from experiments.config.checks import check_shapes
 from experiments.config.errors import ConfigError
+from experiments.config.sizes import host_available
 from experiments.data.loader import BatchLoader, EpochShuffle
 from experiments.run.exits import RunFailed
 from experiments.run.layout import RunPaths
@@ -120,7 +121,7 @@ def test_the_chosen_micro_batch_fits_and_the_next_larger_does_not(budget_mb):
 def test_the_default_budget_on_the_cpu_is_the_stated_share_of_available_memory():
     cfg, trainer, data = probe_setup()
     budget, said = batch_fit.budget_bytes(cfg.batch, torch.device("cpu"), 1, 0)
-    available = batch_fit.available_memory_bytes()
+    available = host_available()
     assert abs(budget - 0.5 * available) < 0.05 * available and "50% of the" in said
     two, _ = batch_fit.budget_bytes(cfg.batch, torch.device("cpu"), 2, 10 * 2**20)
     assert two < budget / 2  # two ranks on the host share it, and the second holds its own copy of the data

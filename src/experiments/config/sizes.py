@@ -26,6 +26,8 @@ from experiments.config.topology import local_processes
 FLOAT32 = 4
 CSV_FIELD_OVERHEAD = 57  # bytes of a Python str (49) and its list slot (8), beside the field's own characters
 CSV_SAMPLE_LINES = 1000  # lines read to estimate a CSV's row count and field length
+CGROUP_V2 = ("memory.max", "memory.current")  # a cgroup's limit ("max": none) and its usage
+CGROUP_V1 = ("memory.limit_in_bytes", "memory.usage_in_bytes")  # no limit: a number near 2**63
 
 
 def _size(n: int) -> str:
@@ -33,33 +35,37 @@ def _size(n: int) -> str:
 
 
 def _cgroup_room() -> int | None:
-    """Bytes left under this process's cgroup memory limit (v2 or v1); None without a limit."""
+    """Bytes left under the tightest memory limit of this process's cgroups (v2, or v1's memory controller), its
+    own or an ancestor's (a SLURM job sets the limit on the job, its steps run below it); None without a limit."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         return None
+    base, rooms = Path("/sys/fs/cgroup"), []
     for line in lines:
         _, controllers, path = line.split(":", 2)
-        base = Path("/sys/fs/cgroup")
-        pairs = []
-        if controllers == "":  # v2
-            pairs.append((base / path.lstrip("/") / "memory.max", base / path.lstrip("/") / "memory.current"))
-            pairs.append((base / "memory.max", base / "memory.current"))
-        elif "memory" in controllers.split(","):  # v1
-            pairs.append((base / "memory" / "memory.limit_in_bytes", base / "memory" / "memory.usage_in_bytes"))
-        for limit_file, usage_file in pairs:
+        if controllers == "":  # v2: the whole hierarchy at /sys/fs/cgroup, or beside v1 at unified/
+            mount, files = (base if (base / "cgroup.controllers").exists() else base / "unified"), CGROUP_V2
+        elif "memory" in controllers.split(","):
+            mount, files = base / "memory", CGROUP_V1
+        else:
+            continue
+        # From the process's own cgroup up to the mount's root (in a container the root is the container's).
+        leaf = mount / path.lstrip("/")
+        for group in [leaf, *leaf.parents[: len(leaf.parents) - len(mount.parents)]]:
             try:
-                limit = limit_file.read_text().strip()
-                if limit == "max" or int(limit) >= 2**60:
-                    continue
-                return int(limit) - int(usage_file.read_text())
+                limit = group.joinpath(files[0]).read_text().strip()
+                if limit != "max" and int(limit) < 2**60:
+                    rooms.append(int(limit) - int(group.joinpath(files[1]).read_text()))
             except (OSError, ValueError):
                 continue
-    return None
+    return min(rooms) if rooms else None
 
 
 def host_available() -> int | None:
-    """Bytes of host memory this process can still take; None when the system does not say."""
+    """Bytes of host memory this process can still take: the kernel's MemAvailable, or less under a cgroup's
+    limit; None when the system says neither. The one reader of it: every size check and batch.effective's
+    budget (experiments.training.batch_fit)."""
     found = []
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():

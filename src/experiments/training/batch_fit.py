@@ -16,7 +16,6 @@ inside `torch.random.fork_rng`, so the run's seeded maths is the same as without
 import copy
 import math
 from dataclasses import dataclass, fields
-from pathlib import Path
 
 import lightning as L
 import torch
@@ -28,6 +27,7 @@ from omegaconf import DictConfig, OmegaConf
 from experiments import internals
 from experiments.config.checks import check_effective
 from experiments.config.errors import ConfigError
+from experiments.config.sizes import host_available
 from experiments.data.datamodule import RegressionData, keep_on_device
 from experiments.run.exits import RunFailed
 
@@ -202,7 +202,7 @@ def budget_bytes(spec: DictConfig, device: torch.device, local_ranks: int, host_
         free = min(free, usable - torch.cuda.memory_reserved(device))
         said = f"free GPU memory {free / MiB:.0f} MiB less {spec.gpu_margin:.0%} of the {usable / MiB:.0f} it may use"
         return free - spec.gpu_margin * usable, said
-    available = available_memory_bytes()
+    available = host_available()
     if available is None:
         raise ConfigError(
             "batch.effective: this system does not say how much memory is available (no /proc/meminfo); "
@@ -211,16 +211,6 @@ def budget_bytes(spec: DictConfig, device: torch.device, local_ranks: int, host_
     shared = spec.cpu_share * available - (local_ranks - 1) * host_data
     ranks = f", for {local_ranks} ranks" if local_ranks > 1 else ""
     return int(shared / local_ranks), f"{spec.cpu_share:.0%} of the {available / MiB:.0f} MiB available{ranks}"
-
-
-def available_memory_bytes() -> int | None:
-    """The host's MemAvailable (Linux's estimate of what can be allocated without swapping); None elsewhere."""
-    try:
-        meminfo = Path("/proc/meminfo").read_text()
-    except OSError:
-        return None
-    kib = next((int(line.split()[1]) for line in meminfo.splitlines() if line.startswith("MemAvailable:")), None)
-    return None if kib is None else kib * 1024
 
 
 def _splits(data: RegressionData) -> list[torch.Tensor]:
