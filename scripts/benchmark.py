@@ -41,12 +41,14 @@ import lightning
 import torch
 from hydra import compose, initialize_config_dir
 
+from experiments import internals
 from experiments.commands.entry import CONFIG_DIR
 from experiments.commands.train import train
 from experiments.data import SyntheticRegression
 from experiments.run.layout import RunPaths
+from experiments.training.clocks import synchronized_clock
 from experiments.training.last_checkpoint import LastCheckpoint
-from experiments.training.perf import peak_resident_mb, synchronized_clock
+from experiments.training.perf import peak_resident_mb
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGETS = {64: 1.25, 1024: 1.10}  # B: the project's step at most this times the raw loop's (CPU, fp32, d=1000)
@@ -131,7 +133,7 @@ class StepClock(lightning.Callback):
         StepClock.latest = self
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
-        processed = trainer.fit_loop.epoch_loop.batch_progress.total.processed  # the window's micro-batches too
+        processed = internals.micro_batches_done(trainer)[1]  # the window's micro-batches too
         saver = next(c for c in trainer.callbacks if isinstance(c, LastCheckpoint))
         paused = self.in_validation + saver.seconds_saving  # validation and last.ckpt's saves are not steps
         self.marks.append((synchronized_clock(pl_module.device), processed, paused))

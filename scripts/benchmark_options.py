@@ -24,9 +24,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/benchmark.py, run beside this one
 import benchmark  # noqa: E402
 
-from experiments import internals, log_steps, module, perf  # noqa: E402
 from experiments.data import SyntheticRegression  # noqa: E402
 from experiments.data.loader import StepWindows  # noqa: E402
+from experiments.training import log_steps, module, perf, windows  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -41,8 +41,8 @@ def patched(owner, name: str, value):
 
 def one_step_windows():
     """Lightning's loop runs every optimizer step (a window of one step, as under DDP)."""
-    position = internals.window_position
-    return patched(module.internals, "window_position", lambda trainer, warming_up=False: position(trainer, True))
+    position = windows.position
+    return patched(module.windows, "position", lambda trainer, warming_up=False: position(trainer, True))
 
 
 def fresh_batches():

@@ -33,6 +33,7 @@ from experiments.run.layout import RunPaths
 from experiments.run.signals import Interrupted
 from experiments.run.summary import summary_lines
 from experiments.training import batch_fit
+from experiments.training.allocations import CpuAllocations
 from experiments.training.module import Regressor
 
 E = 192
@@ -116,6 +117,13 @@ def test_the_chosen_micro_batch_fits_and_the_next_larger_does_not(budget_mb):
     larger = [d for d in batch_fit.divisors(512) if d > fit.micro_batch]
     if larger:
         assert probe.step_bytes(min(larger)) > budget  # and is the largest that does
+
+
+def test_cpu_allocations_count_the_peak_and_what_is_still_live():
+    with CpuAllocations() as counter:
+        kept = torch.ones(256)  # 1 KiB, kept
+        torch.ones(1024).sum()  # 4 KiB and the sum's 4 bytes, freed at once
+    assert (counter.peak, counter.live) == (4096 + 1024 + 4, 1024) and kept.numel() == 256
 
 
 def test_the_default_budget_on_the_cpu_is_the_stated_share_of_available_memory():

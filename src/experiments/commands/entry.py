@@ -206,11 +206,11 @@ def _constructor_error(err: InstantiationException, cfg: DictConfig | None) -> C
         return user_error(cause)
     from lightning.fabric.utilities.exceptions import MisconfigurationException  # loaded by then: a constructor ran
 
+    from experiments import internals
+
     if not isinstance(cause, MisconfigurationException | ValueError | TypeError):
         return None  # a crash inside the constructor, not a setting it refused
-    # Hydra's message: "Error in call to target 'lightning...Trainer':\n<cause>\nfull_key: trainer"
-    node = err.args[0].rsplit("full_key: ", 1)[-1].strip() if "full_key: " in err.args[0] else ""
-    target = err.args[0].split("'")[1] if "'" in err.args[0] else node
+    node, target = internals.instantiation_failure(err)
     reason = " ".join(str(cause).split())
     setting = _named_setting(cfg, node, reason)
     if setting is None:

@@ -9,7 +9,7 @@ import torch
 
 from experiments.data.least_squares import least_squares
 from experiments.data.loader import BatchLoader, EpochShuffle, StepWindows
-from experiments.training.perf import BatchClock, TransferClock
+from experiments.training.clocks import BatchClock, TransferClock
 
 # data.on_device=auto keeps the data on a GPU when it takes at most this share of the GPU's free memory; the rest
 # is left for the model, its gradients and optimizer state, and the batches sliced from the data.

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import torch
 
-from experiments.training.perf import BatchClock, TransferClock
+from experiments.training.clocks import BatchClock, TransferClock
 
 
 class EpochShuffle:

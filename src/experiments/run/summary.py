@@ -10,6 +10,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import ProgressBar
 
+from experiments import internals
+
 # Lightning's rank_zero_info lines that tell the user nothing about this run: advertising tips ("💡 Tip: ...
 # litlogger", "... litmodels") and the TPU line on machines without one. "GPU available: ..., used: ..." stays:
 # it says which accelerator was used.
@@ -139,4 +141,4 @@ def epoch_line(trainer: L.Trainer, samples_per_sec: float) -> list[str]:
 
 
 def _micro_steps(trainer: L.Trainer) -> int:
-    return trainer.fit_loop.epoch_loop.batch_progress.total.completed  # training batches of the whole fit
+    return internals.micro_batches_completed(trainer)  # training batches of the whole fit

@@ -8,7 +8,7 @@ will be kept on the GPU. The largest micro-batch that divides E / ranks and fits
 training; if it does not fit after all, the next smaller one is tried.
 
 Memory is CUDA's `max_memory_allocated` on a GPU; on the CPU, the bytes of the tensors torch allocates
-(`internals.CpuAllocations`), since the process's resident set does not see memory that glibc reuses. Rank 0
+(`training.allocations.CpuAllocations`), since the process's resident set does not see memory that glibc reuses. Rank 0
 measures on its device; the other ranks take its choice when the Trainer sets up (`ShareFit`). Every probe runs
 inside `torch.random.fork_rng`, so the run's seeded maths is the same as without the option.
 """
@@ -24,12 +24,12 @@ from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import internals
 from experiments.config.checks import check_effective
 from experiments.config.errors import ConfigError
 from experiments.config.sizes import host_available
 from experiments.data.datamodule import RegressionData, keep_on_device
 from experiments.run.exits import RunFailed
+from experiments.training.allocations import CpuAllocations
 
 MiB = 2**20
 PROBE_BYTES = 4 * MiB  # the smaller probe's batch: large enough that CUDA's 512-byte rounding is noise, small beside
@@ -184,7 +184,7 @@ def allocated_peak(device: torch.device, work) -> int:
             f"batch.effective: memory is measured on cpu and cuda devices, not {device.type}; allowed: "
             "trainer.accelerator=cpu or cuda, or data.batch_size and trainer.accumulate_grad_batches set by hand"
         )
-    with internals.CpuAllocations() as counter:
+    with CpuAllocations() as counter:
         work()
     return counter.peak
 

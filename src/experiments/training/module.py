@@ -2,7 +2,6 @@
 
 import inspect
 from collections.abc import Callable
-from time import perf_counter
 
 import lightning as L
 import torch
@@ -12,10 +11,11 @@ from torchmetrics import MeanAbsoluteError, MeanSquaredError, MetricCollection, 
 from experiments import internals
 from experiments.data.loader import BatchLoader
 from experiments.distributed import comm
+from experiments.training import windows
+from experiments.training.clocks import ComputeClock, DeviceStepClock, HostStepClock
 from experiments.training.divergence import check_loss
 from experiments.training.interruption import Interruption
 from experiments.training.log_steps import is_log_step
-from experiments.training.perf import ComputeClock
 from experiments.training.windows import WARMUP_BATCHES, window_batches
 
 
@@ -81,85 +81,86 @@ class Regressor(L.LightningModule):
         # several ranks a signal is agreed at a log step's window end (experiments.training.interruption).
         interruption = next((c for c in trainer.callbacks if isinstance(c, Interruption)), None)
         self._interruption = interruption if trainer.world_size == 1 else None
-        self._comm = comm.timed(trainer.strategy.model) if trainer.world_size > 1 else None  # comm_ms
+        if self.device.type == "cuda":  # kernels run on streams: events, read once the monitor has synchronised
+            self._step_clock = DeviceStepClock(self.compute_clock)
+        else:  # DDP on the host clock: the all-reduce's wait is comm_ms, not compute
+            self._step_clock = HostStepClock(self.compute_clock, comm.timed(trainer.strategy.model))
+        self._sync = trainer.strategy.pre_backward if trainer.world_size > 1 else None  # DDP: all-reduce next backward
+        self._check_every = self.device.type == "cpu"  # elsewhere reading the loss waits for the device
         self._fit_batches = 0  # micro-batches of this fit: the first ones run a step a window (windows.py)
 
     def training_step(self, window: BatchLoader, batch_idx: int) -> None:
-        """One window (training.windows): micro-batches drawn from `window`, each a forward pass, the MSE and
-        its backward pass, and at the end of each accumulation an optimizer step (and a scheduler step), in plain
-        PyTorch, as Lightning's automatic optimization would run them: the loss divided by
-        `accumulate_grad_batches`, gradients clipped as the Trainer says, DDP's all-reduce in the backward pass
-        of a step's last micro-batch only, the gradients set to None after the step. With one rank, a signal
-        (experiments.training.interruption) ends the window at the next optimizer step; with several, the window runs
-        to its end, and the ranks agree at a log step's.
+        """One window (experiments.training.windows) of the seed's loop: for each micro-batch drawn from `window`,
+        the forward pass, the MSE and its backward pass (`_backward`), and at the end of each accumulation an
+        optimizer step (`_optimizer_step`), in plain PyTorch, as Lightning's automatic optimization would run them.
+        With one rank, a signal (experiments.training.interruption) ends the window at the next optimizer step;
+        with several, the window runs to its end, and the ranks agree at a log step's.
 
-        The compute clock (compute_ms) times each micro-batch from its forward pass to the end of its update, less
-        the wait for the gradients' all-reduce under DDP (comm_ms: experiments.distributed.comm); the loader's
-        clock (data_ms) the forming of its batch; what is left of the window is the framework's.
+        The step clock (experiments.training.clocks) times each micro-batch from its forward pass to the end of its
+        update for compute_ms, less the wait for the gradients' all-reduce under DDP (comm_ms); the loader's clock
+        (data_ms) the forming of its batch; what is left of the window is the framework's.
         """
-        trainer = self.trainer
-        at = internals.window_position(trainer, warming_up=self._fit_batches < WARMUP_BATCHES)
+        trainer, clock = self.trainer, self._step_clock
+        at = windows.position(trainer, warming_up=self._fit_batches < WARMUP_BATCHES)
         batches = window_batches(at)
-        accumulate = at.accumulate
-        optimizer, scheduler, scaler, clip = self._optimizer, self._scheduler, self._scaler, trainer.gradient_clip_val
-        sync = trainer.strategy.pre_backward if trainer.world_size > 1 else None  # DDP: all-reduce in this backward
-        forward = self.forward_net or self.net  # strategy=dp: the net's forward pass scattered over the GPUs
-        interruption, clock = self._interruption, self.compute_clock
-        host_clock = not clock.cuda  # on the host clock (CPU), timed here: two clock reads a micro-batch
-        comm_clock = self._comm if host_clock else None  # on CUDA the all-reduce stays in the sampled compute
-        check_every = self.device.type == "cpu"  # elsewhere reading the loss waits for the device: once a window
         done = steps = 0
-        seconds = waited = 0.0
         lr = None
         try:
             while done < batches:
                 x, y = window.next_batch()
                 done += 1
-                ends_step = (at.batch + done) % accumulate == 0 or at.batch + done == at.batches
-                if host_clock:
-                    began = perf_counter()
-                else:
-                    clock.start(micro_step=True)
-                mse = F.mse_loss(forward(x), y)
-                # Before the backward pass, so a diverged step never reaches the weights or a checkpoint.
-                if check_every or done == batches:
-                    check_loss(mse, trainer, at.step + steps, at.batch + done - 1)
-                loss = mse / accumulate if accumulate > 1 else mse
-                if ends_step and sync:
-                    sync(loss)
-                (scaler.scale(loss) if scaler else loss).backward()
-                if ends_step and comm_clock is not None:
-                    waited += comm_clock.wait_since_ready()
+                ends_step = (at.batch + done) % at.accumulate == 0 or at.batch + done == at.batches
+                clock.start()
+                mse = self._backward(x, y, at, ends_step, check=self._check_every or done == batches,
+                                     where=(at.step + steps, at.batch + done - 1))  # fmt: skip
                 if ends_step:
-                    if clip:
-                        if scaler:
-                            scaler.unscale_(optimizer)
-                        self.clip_gradients(optimizer, clip, trainer.gradient_clip_algorithm)
-                    if scaler:
-                        scaler.step(optimizer)
-                        scaler.update()
-                    else:
-                        optimizer.step()
-                    optimizer.zero_grad()
-                    if scheduler is not None:
-                        lr = optimizer.param_groups[0]["lr"]  # the lr this step used: train/lr
-                        scheduler.step()
+                    clock.backward_done()
+                    lr = self._optimizer_step()
                     steps += 1
-                if host_clock:
-                    seconds += perf_counter() - began
-                else:
-                    clock.stop(step_done=ends_step)
+                clock.stop(ends_step)
                 del x, y  # one batch alive at a time (experiments.training.batch_fit measures a step with one)
-                if ends_step and interruption is not None and interruption.signum is not None:
+                if ends_step and self._interruption is not None and self._interruption.signum is not None:
                     break
         finally:
             internals.count_window(trainer, done, steps)
             self._fit_batches += done
-            if host_clock:
-                clock.add(seconds - waited, done, waited)
+            clock.end_window()
         self.last_loss = mse.detach()  # metrics.json's train_loss: read once, after the fit
         if is_log_step(trainer):  # the window ends at a log step (experiments.training.windows)
             self._log_step(self.last_loss, lr)
+
+    def _backward(self, x, y, at, ends_step: bool, check: bool, where: tuple[int, int]) -> torch.Tensor:
+        """A micro-batch's forward pass, MSE and backward pass: the loss divided by `accumulate_grad_batches`, DDP's
+        all-reduce in the backward pass of a step's last micro-batch only; returns the MSE."""
+        mse = F.mse_loss((self.forward_net or self.net)(x), y)  # strategy=dp: forward_net scatters over the GPUs
+        if check:  # before the backward pass, so a diverged step never reaches the weights or a checkpoint
+            check_loss(mse, self.trainer, *where)
+        loss = mse / at.accumulate if at.accumulate > 1 else mse
+        if ends_step and self._sync:
+            self._sync(loss)
+        (self._scaler.scale(loss) if self._scaler else loss).backward()
+        return mse
+
+    def _optimizer_step(self) -> float | None:
+        """The optimizer step of an accumulation's end: gradients clipped as the Trainer says, the gradient scaler's
+        step under 16-mixed, the gradients set to None, the scheduler stepped; returns the lr the step used (for
+        train/lr) when there is a scheduler."""
+        optimizer, scaler, clip = self._optimizer, self._scaler, self.trainer.gradient_clip_val
+        if clip:
+            if scaler:
+                scaler.unscale_(optimizer)
+            self.clip_gradients(optimizer, clip, self.trainer.gradient_clip_algorithm)
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+        if self._scheduler is None:
+            return None
+        lr = optimizer.param_groups[0]["lr"]
+        self._scheduler.step()
+        return lr
 
     def _log_step(self, loss: torch.Tensor, lr: float | None) -> None:
         """`train/loss` (and with a scheduler `train/lr`, the lr the step used) of a log step, written straight to

@@ -8,6 +8,7 @@ validation: every epoch by default, or `trainer.val_check_interval`.
 import lightning as L
 from lightning.pytorch.callbacks import Callback
 
+from experiments import internals
 from experiments.run.summary import EXACT_FIT
 from experiments.training.perf import PerfMonitor
 
@@ -50,7 +51,7 @@ class TimeToTarget(Callback):
         reached = trainer.strategy.reduce_boolean_decision(reached, all=True)
         if not reached:
             return
-        micro_steps = trainer.fit_loop.epoch_loop.batch_progress.total.completed
+        micro_steps = internals.micro_batches_completed(trainer)
         self.summary |= {
             "time_to_target_s": self.perf.training_seconds(),
             "steps_to_target": trainer.global_step,

@@ -17,6 +17,8 @@ collective is the gradients' all-reduce of each optimizer step, as in a plain DD
 
 from dataclasses import dataclass
 
+from experiments import internals
+
 WARMUP_BATCHES = 5  # micro-batches at the start of a fit run one optimizer step a window
 
 
@@ -56,3 +58,27 @@ def window_batches(at: Position) -> int:
     if at.val_every:
         end = min(end, at.batch + at.val_every - at.val_count % at.val_every)
     return max(end - at.batch, 1)
+
+
+def position(trainer, warming_up: bool = False) -> Position:
+    """Where training stands at the start of a window, and what ends one, from Lightning's loop counters: its
+    `batch_idx`, the checkpoints' periods and validation's schedule."""
+    loop = trainer.fit_loop.epoch_loop
+    every_steps = tuple(p for p in map(internals.checkpoint_period, trainer.checkpoint_callbacks) if p)
+    val_every = trainer.val_check_batch
+    if not isinstance(val_every, int) or val_every >= trainer.num_training_batches or not trainer.enable_validation:
+        val_every = None  # validation at the epoch's end only, or never
+    # Time-based validation is checked after each iteration of Lightning's loop. Several ranks need no step a
+    # window: each computes the same window from the same counters, and a signal is agreed at a log step's end.
+    return Position(
+        step=trainer.global_step,
+        batch=loop.batch_idx,  # the window's first batch, which Lightning has counted as `ready`
+        batches=trainer.num_training_batches,
+        accumulate=trainer.accumulate_grad_batches,
+        log_every=trainer.log_every_n_steps,
+        max_steps=trainer.max_steps,
+        every_steps=every_steps,
+        val_every=val_every,
+        val_count=loop.batch_idx if trainer.check_val_every_n_epoch is not None else loop.total_batch_idx,
+        one_step=warming_up or internals.validates_by_time(trainer),
+    )

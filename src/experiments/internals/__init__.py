@@ -1,17 +1,19 @@
 """Every touch of Lightning's, Hydra's, torch's and torchmetrics' private API, in one place: the reason
 `lightning<2.7` is pinned.
 
-Each function below says why the public API does not do, and `TOUCHES` lists, for each, how to tell that an
+Each function below says why the public API does not do, and `probes.TOUCHES` lists, for each, how to tell that an
 installed version still has it; tests/test_internals.py runs those checks, so an upgrade that removes one
 fails there, naming it, rather than somewhere deep inside a run. Written against Lightning 2.6 and Hydra 1.3.
+
+One touch acts at import: torchmetrics is imported without matplotlib (the first function), which works only
+if this package is the process's first import of Lightning or torchmetrics. That is why every command imports it
+first (experiments.commands.entry.load_task, Hydra's callbacks in experiments.sweeps.record): the one ordering a
+caller must keep, and tests/test_internals.py checks that each command keeps it.
 """
 
 # ruff: noqa: E402 (torchmetrics is imported before Lightning, which imports it: see the first function)
-import dataclasses
-import inspect
 import sys
 import typing
-import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
@@ -49,25 +51,13 @@ def import_torchmetrics_without_matplotlib() -> None:
 import_torchmetrics_without_matplotlib()
 
 import lightning as L
-import torch
 from hydra.core.utils import JobReturn
 from lightning.fabric.plugins.precision import precision as fabric_precision
 from lightning.fabric.utilities import device_parser
 from lightning.fabric.utilities.logger import _add_prefix
-from lightning.pytorch.callbacks import ModelCheckpoint
-from lightning.pytorch.loggers import TensorBoardLogger
-from lightning.pytorch.loops.fit_loop import _FitLoop
-from lightning.pytorch.loops.optimization.manual import _ManualOptimization
-from lightning.pytorch.loops.progress import _BatchProgress
-from lightning.pytorch.loops.training_epoch_loop import _TrainingEpochLoop
 from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.strategies.launchers import subprocess_script
-from lightning.pytorch.trainer import configuration_validator
-from lightning.pytorch.trainer import setup as trainer_setup
-from lightning.pytorch.trainer.connectors.logger_connector.logger_connector import _LoggerConnector
 from torch.utils import _python_dispatch
-
-from experiments.training.windows import Position
 
 
 def is_log_step(trainer: L.Trainer) -> bool:
@@ -107,33 +97,16 @@ def optimize_manually(module: L.LightningModule) -> None:
     module.automatic_optimization = False
 
 
-def window_position(trainer: L.Trainer, warming_up: bool = False) -> Position:
-    """Where training stands at the start of a window, and what ends one, from Lightning's loop counters (its
-    `batch_idx`, ModelCheckpoint's `_every_n_train_steps` and LastCheckpoint's period, the time-based
-    `_val_check_time_interval`)."""
-    loop = trainer.fit_loop.epoch_loop
-    # ModelCheckpoint keeps its period private; the run's LastCheckpoint (training.last_checkpoint) does not.
-    periods = [getattr(c, "_every_n_train_steps", None) or getattr(c, "every_n_train_steps", None)
-               for c in trainer.checkpoint_callbacks]  # fmt: skip
-    every_steps = tuple(p for p in periods if p)
-    val_every = trainer.val_check_batch
-    if not isinstance(val_every, int) or val_every >= trainer.num_training_batches or not trainer.enable_validation:
-        val_every = None  # validation at the epoch's end only, or never
-    # Time-based validation is checked after each iteration of Lightning's loop. Several ranks need no step a
-    # window: each computes the same window from the same counters, and a signal is agreed at a log step's end.
-    one_step = warming_up or getattr(trainer, "_val_check_time_interval", None) is not None
-    return Position(
-        step=trainer.global_step,
-        batch=loop.batch_idx,  # the window's first batch, which Lightning has counted as `ready`
-        batches=trainer.num_training_batches,
-        accumulate=trainer.accumulate_grad_batches,
-        log_every=trainer.log_every_n_steps,
-        max_steps=trainer.max_steps,
-        every_steps=every_steps,
-        val_every=val_every,
-        val_count=loop.batch_idx if trainer.check_val_every_n_epoch is not None else loop.total_batch_idx,
-        one_step=one_step,
-    )
+def checkpoint_period(callback) -> int | None:
+    """The optimizer-step period of a checkpoint callback: ModelCheckpoint keeps it private (`_every_n_train_steps`),
+    the run's LastCheckpoint (training.last_checkpoint) does not. Windows end where a save is due (training.windows)."""
+    return getattr(callback, "_every_n_train_steps", None) or getattr(callback, "every_n_train_steps", None)
+
+
+def validates_by_time(trainer: L.Trainer) -> bool:
+    """Whether validation is due by time (`val_check_interval` as a duration), which Lightning keeps private
+    (`_val_check_time_interval`) and checks between iterations of its loop."""
+    return getattr(trainer, "_val_check_time_interval", None) is not None
 
 
 def count_window(trainer: L.Trainer, micro_batches: int, optimizer_steps: int) -> None:
@@ -185,6 +158,20 @@ def micro_batches_done(trainer: L.Trainer) -> tuple[int, int]:
     counters; from a window's `on_train_batch_end` on, they include the window's."""
     progress = trainer.fit_loop.epoch_loop.batch_progress
     return progress.current.processed, progress.total.processed
+
+
+def micro_batches_completed(trainer: L.Trainer) -> int:
+    """Training micro-batches completed in the whole fit (a resume included): the loop's own counter, which counts
+    a window's micro-batches once it has ended (count_window)."""
+    return trainer.fit_loop.epoch_loop.batch_progress.total.completed
+
+
+def instantiation_failure(err) -> tuple[str, str]:
+    """(the config node, the target) that Hydra's InstantiationException names only in its text: "Error in call to
+    target 'lightning.pytorch.trainer.trainer.Trainer':\n<cause>\nfull_key: trainer"; ("", "") where it does not."""
+    text = err.args[0] if err.args else ""
+    node = text.rsplit("full_key: ", 1)[-1].strip() if "full_key: " in text else ""
+    return node, text.split("'")[1] if "'" in text else node
 
 
 def tensorboard_prefixed(logger, metrics: dict) -> dict:
@@ -248,156 +235,6 @@ def summary_file_writer(writer):
     return writer._get_file_writer()
 
 
-def _summary_writer_has_file_writer() -> bool:
-    from torch.utils.tensorboard import SummaryWriter  # here, not at the top: only runs that log import it
-
-    return callable(getattr(SummaryWriter, "_get_file_writer", None))
-
-
-class CpuAllocations(_python_dispatch.TorchDispatchMode):
-    """While active (`with counter:`), the bytes of the CPU tensors that torch allocates in this thread: `live`
-    now, `peak` the most at once (experiments.training.batch_fit measures a training step on the CPU with it).
-
-    Why: torch keeps no statistics of its CPU allocator (CUDA has `max_memory_allocated`), and the process's
-    resident set (VmHWM) does not see memory that glibc hands out again from its own heap: a second probe of the
-    same size grows it by 0 bytes. A dispatch mode sees every op, autograd's backward included, and each new
-    storage is counted once until it is freed (a weakref's finalizer). `TorchDispatchMode` is documented in
-    "Extending PyTorch" but lives in the private `torch.utils._python_dispatch`.
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.live = self.peak = 0
-        self._counted: set[int] = set()
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for tensor in _tensors(out):
-            storage = tensor.untyped_storage()
-            key = storage.data_ptr()
-            if tensor.device.type == "cpu" and key and key not in self._counted:
-                self._counted.add(key)
-                self.live += storage.nbytes()
-                self.peak = max(self.peak, self.live)
-                weakref.finalize(storage, self._freed, key, storage.nbytes())
-        return out
-
-    def _freed(self, key: int, nbytes: int) -> None:
-        self._counted.discard(key)
-        self.live -= nbytes
-
-
-def _tensors(out) -> Iterator[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        yield out
-    elif isinstance(out, list | tuple):
-        for item in out:
-            yield from _tensors(item)
-
-
-def _counts_cpu_allocations() -> bool:
-    with CpuAllocations() as counter:
-        kept = torch.ones(256)  # 1 KiB, kept
-        torch.ones(1024).sum()  # 4 KiB, freed at once
-    return (counter.peak, counter.live) == (4096 + 1024 + 4, 1024) and kept.numel() == 256
-
-
-def _has_rank_command() -> bool:
-    source = inspect.getsource(subprocess_script._SubprocessScriptLauncher._call_children_scripts)
-    return hasattr(subprocess_script, "_hydra_subprocess_cmd") and "_hydra_subprocess_cmd(" in source
-
-
-def _module_sets_hook_name() -> bool:
-    return HOOK_NAME_ATTRIBUTE in vars(L.LightningModule())
-
-
-def _fit_loop_keeps_loader() -> bool:
-    return "self._combined_loader" in inspect.getsource(_FitLoop.__init__)
-
-
-def _checks_manual_optimization_before_setup() -> bool:
-    """The Trainer checks its settings against manual optimization before the `setup` hooks (optimize_manually)."""
-    run = inspect.getsource(L.Trainer._run)
-    checked, setup = run.find("_verify_loop_configurations(self)"), run.find("call._call_setup_hook(self)")
-    source = inspect.getsource(configuration_validator._verify_loop_configurations)
-    return 0 <= checked < setup and "__verify_manual_optimization_support" in source
-
-
-def _loop_counts_windows() -> bool:
-    """The counters that count_window and window_position read and advance."""
-    loop = inspect.getsource(_TrainingEpochLoop.__init__) + inspect.getsource(_ManualOptimization.__init__)
-    return (
-        all(f"self.{name}" in loop for name in ("batch_progress", "_batches_that_stepped", "optim_step_progress"))
-        and callable(getattr(_BatchProgress, "increment_by", None))
-        and isinstance(_TrainingEpochLoop.batch_idx, property)
-        and isinstance(_TrainingEpochLoop.total_batch_idx, property)
-        and "trainer._val_check_time_interval" in inspect.getsource(trainer_setup)
-    )
-
-
-def _has_sigterm_broadcast() -> bool:
-    advance = inspect.getsource(_TrainingEpochLoop.advance)
-    return "self._broadcast_sigterm_tensor()" in advance and callable(
-        getattr(_TrainingEpochLoop, "_broadcast_sigterm_tensor", None)
-    )
-
-
-def _save_is_dump_write_barrier() -> bool:
-    """Trainer.save_checkpoint is still: dump, the strategy's write, a barrier (save_checkpoint_without_barrier)."""
-    source = inspect.getsource(L.Trainer.save_checkpoint)
-    dump = source.find("self._checkpoint_connector.dump_checkpoint(")
-    write = source.find("self.strategy.save_checkpoint(")
-    return 0 <= dump < write < source.find("self.strategy.barrier(")
-
-
-def _torchmetrics_plots_need_matplotlib_cache() -> bool:
-    """torchmetrics decides on its plots, and on importing matplotlib, from one RequirementCache that asks once
-    (import_torchmetrics_without_matplotlib)."""
-    from torchmetrics.utilities import imports, plot
-
-    cache = imports._MATPLOTLIB_AVAILABLE
-    return (
-        isinstance(cache, RequirementCache)
-        and cache.requirement == "matplotlib"
-        and plot._MATPLOTLIB_AVAILABLE is cache
-        and "if _MATPLOTLIB_AVAILABLE:" in inspect.getsource(plot)
-        and "self._check_requirement()" in inspect.getsource(RequirementCache._check_available)
-    )
-
-
-def _job_return_keeps_error() -> bool:
-    return "_return_value" in {f.name for f in dataclasses.fields(JobReturn)}
-
-
-# (the touch, a check that the installed versions still have it): tests/test_internals.py runs each.
-TOUCHES: list[tuple[str, Callable[[], bool]]] = [
-    (
-        "_LoggerConnector.should_update_logs",
-        lambda: isinstance(getattr(_LoggerConnector, "should_update_logs", None), property),
-    ),
-    (
-        "_TrainingEpochLoop._should_accumulate",
-        lambda: callable(getattr(_TrainingEpochLoop, "_should_accumulate", None)),
-    ),
-    ("_LoggerConnector.on_batch_end", lambda: callable(getattr(_LoggerConnector, "on_batch_end", None))),
-    (
-        "_LoggerConnector.update_train_step_metrics",
-        lambda: callable(getattr(_LoggerConnector, "update_train_step_metrics", None)),
-    ),
-    (f"LightningModule.{HOOK_NAME_ATTRIBUTE}", _module_sets_hook_name),
-    ("_FitLoop._combined_loader", _fit_loop_keeps_loader),
-    ("subprocess_script._hydra_subprocess_cmd", _has_rank_command),
-    ("fabric precision._PRECISION_INPUT", lambda: len(precisions()) > 0 and "bf16-mixed" in precisions()),
-    ("device_parser._normalize_parse_gpu_string_input", lambda: parse_device_string("0,1") == [0, 1]),
-    ("DDPStrategy._start_method", lambda: ddp_start_method(DDPStrategy(start_method="spawn")) == "spawn"),
-    ("hydra JobReturn._return_value", _job_return_keeps_error),
-    ("torch SummaryWriter._get_file_writer", _summary_writer_has_file_writer),
-    ("torch.utils._python_dispatch.TorchDispatchMode", _counts_cpu_allocations),
-    ("manual optimization checked before setup", _checks_manual_optimization_before_setup),
-    ("_TrainingEpochLoop's batch_progress, _batches_that_stepped, optim_step_progress", _loop_counts_windows),
-    ("ModelCheckpoint._every_n_train_steps", lambda: ModelCheckpoint(every_n_train_steps=3)._every_n_train_steps == 3),
-    ("TensorBoardLogger._prefix", lambda: TensorBoardLogger(".", prefix="p")._prefix == "p"),
-    ("_TrainingEpochLoop._broadcast_sigterm_tensor", _has_sigterm_broadcast),
-    ("Trainer._checkpoint_connector.dump_checkpoint in save_checkpoint", _save_is_dump_write_barrier),
-    ("torchmetrics _MATPLOTLIB_AVAILABLE", _torchmetrics_plots_need_matplotlib_cache),
-]
+# Documented in "Extending PyTorch" (a dispatch mode sees every op, autograd's backward included), but it lives in
+# the private torch.utils._python_dispatch: training.allocations counts CPU allocations with it.
+TorchDispatchMode = _python_dispatch.TorchDispatchMode
