@@ -4,7 +4,6 @@
 
 import sys
 import time
-import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -17,14 +16,14 @@ from omegaconf import DictConfig
 
 from experiments.commands.outputs import remove_refused_start
 from experiments.config.checks import check_config, check_shapes
-from experiments.config.sizes import FLOAT32, check_device_memory, check_model_memory
+from experiments.config.sizes import check_run_memory
 from experiments.distributed import nodes, slurm
 from experiments.distributed.launcher import ranks_join_this_job
 from experiments.distributed.lost_rank import LostRank
 from experiments.distributed.nodes import RankHosts
 from experiments.distributed.ranks import end_with_parent, this_rank
 from experiments.run import lock, provenance, state
-from experiments.run.exits import OutOfSpace, is_out_of_space, out_of_memory, quiet_full_disk_in_threads
+from experiments.run.exits import OutOfSpace, full_file, is_out_of_space, out_of_memory, quiet_full_disk_in_threads
 from experiments.run.files import AtomicCheckpointIO, remove_stray_temps
 from experiments.run.layout import RunPaths
 from experiments.run.metrics import final_figures, record, run_record, write_metrics
@@ -142,7 +141,9 @@ class TrainRecipe:
         )  # fmt: skip
         if self.resumed:
             check_fits(self.resumed, self.data.num_features, cfg.model.out_features)
-        self._check_memory()
+        data = self.data  # the model, and on a GPU a batch and device-resident data, where they go
+        check_run_memory(self.cfg, self.trainer.strategy.root_device, data.num_features, data.y_train.shape[1],
+                         len(data.x_train) + len(data.x_val), self.trainer.world_size)  # fmt: skip
         # The checkpoint carries the run's config and column names, for eval.py and predict.py.
         self.last_checkpoint.describe_data(cfg, self.data.feature_names, self.data.target_name, self.batch_fit)
         net = instantiate(cfg.model, in_features=self.data.num_features)
@@ -152,16 +153,6 @@ class TrainRecipe:
         if self.rank.zero:
             state.claim(self.run, cfg)
             self._record_origin()
-
-    def _check_memory(self) -> None:
-        """The model, and on a GPU a batch and device-resident data, against the memory where they go (the data
-        on the host was checked before it was made or read: experiments.config.sizes)."""
-        cfg, data, device = self.cfg, self.data, self.trainer.strategy.root_device
-        check_model_memory(cfg, data.num_features, device)
-        per_sample = FLOAT32 * (data.num_features + data.y_train.shape[1])
-        batch_bytes = 3 * per_sample * cfg.data.batch_size // max(self.trainer.world_size, 1)  # batch, output, grad
-        data_bytes = per_sample * (len(data.x_train) + len(data.x_val)) if cfg.data.get("on_device") is True else None
-        check_device_memory(cfg, device, data_bytes, batch_bytes)
 
     def _record_origin(self) -> None:
         try:
@@ -230,7 +221,7 @@ class TrainRecipe:
             raise
         except OSError as err:
             if is_out_of_space(err):  # TensorBoard's event file: the other writes raise OutOfSpace themselves
-                raise OutOfSpace(self._file_of(err)) from None
+                raise OutOfSpace(full_file(err, self.trainer.logger, self.paths.root)) from None
             raise
         finally:
             if status is not None:
@@ -258,7 +249,7 @@ class TrainRecipe:
             data_pinned=data.pins_batches,
             batch_fit=self.batch_fit.record if self.batch_fit else None,
             **self.last_checkpoint.summary,
-            **_code_record(self.origin_entry),
+            **provenance.code_fields(self.origin_entry),
             wall_time_s=time.time() - self.started,
         )
         if trainer.is_global_zero:
@@ -273,23 +264,11 @@ class TrainRecipe:
                 if not is_out_of_space(err):
                     raise
                 if status != "failed":
-                    raise err if isinstance(err, OutOfSpace) else OutOfSpace(self._file_of(err)) from None
+                    if not isinstance(err, OutOfSpace):
+                        err = OutOfSpace(full_file(err, trainer.logger, self.paths.root))
+                    raise err from None
             print_summary(metrics, self.paths.root)
         return metrics
-
-    def _file_of(self, err: OSError) -> Path:
-        """The file a write that found the disk full was writing: named by the error, or TensorBoard's."""
-        if getattr(err, "filename", None):
-            return Path(err.filename)
-        frames = traceback.extract_tb(err.__traceback__)
-        if any("tensorboard" in frame.filename for frame in frames):
-            return Path(self.trainer.logger.log_dir) if self.trainer.logger else self.paths.root
-        return self.paths.root
-
-
-def _code_record(entry: dict | None) -> dict:
-    code = (entry or {}).get("code") or {}
-    return {"git_commit": code.get("commit"), "git_dirty": code.get("dirty")}
 
 
 def run_sweep_job(cfg: DictConfig) -> dict:

@@ -221,6 +221,15 @@ def device_free(device) -> int | None:
         return None
 
 
+def check_run_memory(cfg, device, num_features: int, num_targets: int, samples: int, ranks: int) -> None:
+    """The model against the memory where it goes and, on a GPU, a batch (its inputs, outputs and their gradients)
+    and the data when it is to be held there (the data on the host was checked before it was made or read)."""
+    check_model_memory(cfg, num_features, device)
+    per_sample = FLOAT32 * (num_features + num_targets)
+    batch_bytes = 3 * per_sample * cfg.data.batch_size // max(ranks, 1)
+    check_device_memory(cfg, device, per_sample * samples if cfg.data.get("on_device") is True else None, batch_bytes)
+
+
 def check_device_memory(cfg, device, data_bytes: int | None, batch_bytes: int) -> None:
     """On a GPU: a batch (and the data, when it is to be held there) against its free memory."""
     if device.type != "cuda":

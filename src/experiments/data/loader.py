@@ -39,7 +39,7 @@ class BatchLoader:
     """Yields `(x, y)` batches sliced whole from in-memory tensors.
 
     Hand-written because `DataLoader(TensorDataset)` collates sample by sample, which costs far more than
-    the step itself for a model this small (design.md, known traps). A shuffled batch is one gather with one
+    the step itself for a model this small (docs/speed.md, the plain loop). A shuffled batch is one gather with one
     index tensor, on the device when the tensors live there; an unshuffled one (evaluation) is a view, no copy.
 
     Training batches drop the incomplete last global batch so that every rank always holds an equal share, and

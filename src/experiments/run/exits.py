@@ -8,6 +8,7 @@ import errno
 import os
 import shutil
 import threading
+import traceback
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -47,6 +48,17 @@ class Abort(BaseException):
     def __init__(self, error: Exception, exit_code: int):
         self.error, self.exit_code = error, exit_code
         super().__init__(str(error))
+
+
+def full_file(err: OSError, logger, root: Path) -> Path:
+    """The file a write that found the disk full was writing: named by the error, or the logger's (TensorBoard's
+    event file, written from torch's code, names none), or else the run dir `root`."""
+    if getattr(err, "filename", None):
+        return Path(err.filename)
+    frames = traceback.extract_tb(err.__traceback__)
+    if any("tensorboard" in frame.filename for frame in frames):
+        return Path(logger.log_dir) if logger else root
+    return root
 
 
 def is_out_of_space(err: BaseException | None) -> bool:

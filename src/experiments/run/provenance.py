@@ -180,6 +180,12 @@ def record_start(paths: RunPaths, entry: dict, diff: str | None, resumed_from: d
     return entry
 
 
+def code_fields(entry: dict | None) -> dict:
+    """metrics.json's record of the code from a start's entry (None: not collected)."""
+    code = (entry or {}).get("code") or {}
+    return {"git_commit": code.get("commit"), "git_dirty": code.get("dirty")}
+
+
 def record_ranks(paths: RunPaths, ranks: list[dict]) -> None:
     """Every rank's host, node rank and gloo interface, in this start's entry (known once the ranks have met)."""
     if not paths.provenance.exists():  # the start's entry could not be collected
