@@ -12,9 +12,10 @@ import torch
 from conftest import ROOT, cli, python
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from experiments.sweeps import figures
 from experiments.sweeps import report as reports
+from experiments.sweeps.figures import fmt, markdown_table, median_of_repeats
 from experiments.sweeps.record import Job, find_jobs
-from experiments.sweeps.report import fmt, markdown_table, median_of_repeats
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -190,7 +191,8 @@ def test_plots_show_the_runs_numbers(sweep, tmp_path, monkeypatch):
         plotted[f"{path.stem}_panels"] = panels
         return real_save(fig, path)
 
-    monkeypatch.setattr(reports, "save", save)
+    monkeypatch.setattr(reports, "save", save)  # the sections' own plots
+    monkeypatch.setattr(figures, "save", save)  # those of with_plot and xy_section
     reports.build_sections(sweep, tmp_path)
     jobs = range(4)
     logged = []
@@ -226,7 +228,8 @@ def test_a_job_that_missed_the_target_is_in_the_table_and_marked_on_the_plot(mis
         plotted[path.name] = [[(line.get_label(), line.get_xydata().tolist()) for line in ax.lines] for ax in fig.axes]
         return real_save(fig, path)
 
-    monkeypatch.setattr(reports, "save", save)
+    monkeypatch.setattr(reports, "save", save)  # the sections' own plots
+    monkeypatch.setattr(figures, "save", save)  # those of with_plot and xy_section
     (section,) = [s for s in reports.build_sections(missed_sweep, tmp_path) if s.title.startswith("Time to target")]
     reached, missed = (json.loads((missed_sweep / n / "metrics.json").read_text()) for n in ("0", "1"))
     assert reached["time_to_target_s"] is not None and missed["time_to_target_s"] is None
