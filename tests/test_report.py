@@ -1,21 +1,17 @@
 """scripts/report.py on a real (small) sweep: report.md, its tables and valid PNG plots."""
 
-import importlib.util
 import json
-import re
 import subprocess
-import sys
 
 import matplotlib.image
 import pytest
-import torch
 from conftest import ROOT, cli, python
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.sweeps import figures
 from experiments.sweeps import report as reports
-from experiments.sweeps.figures import fmt, markdown_table, median_of_repeats
-from experiments.sweeps.record import Job, find_jobs
+from experiments.sweeps.figures import fmt, median_of_repeats
+from experiments.sweeps.record import Job
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -84,30 +80,6 @@ def test_report_of_a_dir_without_runs_is_a_one_line_error(tmp_path):
     assert done.stderr.startswith("error: no run under") and "Traceback" not in done.stderr
 
 
-def load_study():
-    spec = importlib.util.spec_from_file_location("study", ROOT / "scripts" / "study.py")
-    study = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(study)
-    return study
-
-
-def test_study_conclusions_come_from_the_numbers(sweep, tmp_path):
-    study = load_study()
-    jobs = find_jobs(sweep)
-    # 2 x 32 and 1 x 64: one effective batch of 64, accumulated or not
-    pair = [j for j in jobs if j.metrics["effective_batch_size"] == 64]
-    sections, lines, verified = study.accumulation_claim(pair, pair, tmp_path)
-    assert sections[0].plot.is_file() and "**GPU: unverified**" in verified
-    relative = float(re.search(r"final weights differ by (\S+) \(relative\)", lines[0]).group(1))
-    assert relative < 1e-5  # the same maths: only float summation order differs
-    table = markdown_table(sections[0].columns, sections[0].rows)
-    assert all(fmt(j.metrics["samples_per_sec"]) in table for j in pair)
-
-    _, lines, _ = study.batch_claim(jobs, tmp_path)
-    best = max(j.metrics["samples_per_sec"] for j in jobs if j.metrics["accumulate_grad_batches"] == 1)
-    assert f"the most, {best:.3g} samples/s" in " ".join(lines)
-
-
 def test_repeats_differing_only_in_seed_become_their_median(tmp_path):
     def job(num, seed, batch, speed):
         settings = {"seed": str(seed), "data.seed": str(seed), "data.batch_size": str(batch)}
@@ -121,62 +93,6 @@ def test_repeats_differing_only_in_seed_become_their_median(tmp_path):
         (3, 700.0, 1),
     ]
     assert merged[0].metrics["step_time_ms"] == pytest.approx(1e3 * 64 / 400.0)
-
-
-def test_only_one_claim_replaces_its_section_and_keeps_the_others():
-    """`study.py --only batch`: the file's other sections stay byte for byte, in their order, under a header that
-    says the sections may come from different runs."""
-    study = load_study()
-    old = (ROOT / "docs" / "study.md").read_text()
-    before = study.sections_of(old)
-    assert list(before) == list(study.TITLES)  # every claim, in order, between its markers
-    batch = f"## {study.TITLES['batch']}\n\nFrom the run of today.\n\nnew figures"
-    new = study.splice(old, {"batch": batch})
-    assert study.sections_of(new) == before | {"batch": batch}
-    assert all(before[claim] in new for claim in study.TITLES if claim != "batch")
-    assert new.startswith(study.HEADER) and new.count("# The seed's advice, measured") == 1
-    assert study.splice(new, {"batch": before["batch"]}) == study.splice(old, {})  # the same file back
-    # A file with one claim only (another --out) gains the next one, in the order of the claims.
-    one = study.splice("", {"target": "## (f)"})
-    assert list(study.sections_of(study.splice(one, {"batch": batch}))) == ["batch", "target"]
-
-
-@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="with two GPUs the claim runs its own sweeps")
-def test_without_two_gpus_the_scaling_claim_runs_no_sweep_and_points_to_the_one_ddp_measurement(tmp_path, monkeypatch):
-    """DDP on a CPU is measured once (benchmarks.md, `benchmark.py --ddp`): the study's section d neither runs nor
-    shows a second, shorter measurement that could contradict it."""
-    study = load_study()
-    swept = []
-    monkeypatch.setattr(study, "run_sweep", lambda *args: swept.append(args) or ([], ""))
-    monkeypatch.setattr(sys, "argv", ["study.py", "--only", "scaling", "--out", str(tmp_path / "study.md")])
-    study.main()
-    section = study.sections_of((tmp_path / "study.md").read_text())["scaling"]
-    assert swept == [] and list(study.sections_of((tmp_path / "study.md").read_text())) == ["scaling"]
-    assert "(benchmarks.md#ddp-on-cpu)" in section and "python scripts/benchmark.py --ddp" in section
-    assert not re.search(r"\d ?(ms|x)\b|samples/s", section)  # no figure of its own
-
-
-def test_a_section_whose_markers_do_not_pair_is_refused():
-    study = load_study()
-    broken = study.splice("", {"batch": "## (b)"}).replace("<!-- study:batch end -->", "")
-    with pytest.raises(ValueError, match="markers"):
-        study.splice(broken, {"target": "## (f)"})
-
-
-def test_each_section_says_how_many_repeats_stand_behind_it(tmp_path):
-    def job(num, seed, batch):
-        settings = {"seed": str(seed), "data.seed": str(seed), "data.batch_size": str(batch)}
-        metrics = {"status": "completed", "samples_per_sec": 1.0, "step_time_ms": 1.0}
-        return Job(tmp_path / str(num), num, [], "completed", metrics=metrics, settings=settings)
-
-    study = load_study()
-    repeated = [job(n, seed, batch) for n, (seed, batch) in enumerate((s, b) for s in range(3) for b in (64, 128))]
-    once = [job(0, 0, 64), job(1, 0, 128)]
-    three = "3 repeats per configuration (seeds), each speed their median"
-    assert study.repeats_line([(repeated, "")]) == f"Repeats: {three}."
-    assert study.repeats_line([(once, ""), (repeated, "")]) == (
-        f"Repeats: sweep 1, one job per configuration, no repeats; sweep 2, {three}."
-    )
 
 
 def test_plots_show_the_runs_numbers(sweep, tmp_path, monkeypatch):
