@@ -4,7 +4,7 @@
     python scripts/benchmark_options.py --threads 1      # one torch thread: steadier on a busy machine
     python scripts/benchmark_options.py --quick          # a tiny smoke run
 
-Each row is the project's path (scripts/benchmark.py's `project`) with one option undone, the options being
+Each row is the project's path (scripts/benchmark_loop.py's `project_run`) with one option undone, the options being
 those that issue 17 weighed (docs/benchmarks.md): Lightning's loop a step an iteration instead of windows of
 steps, a fresh batch tensor each step instead of reused ones, `self.log` for train/loss, Lightning's own
 TensorBoardLogger, a progress-bar redraw on every log step, /proc's status file opened each log step. The raw
@@ -19,14 +19,12 @@ import os
 import sys
 from pathlib import Path
 
+import benchmark_loop  # scripts/, beside this file
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # scripts/benchmark.py, run beside this one
-import benchmark  # noqa: E402
-
-from experiments.data import SyntheticRegression  # noqa: E402
-from experiments.data.loader import StepWindows  # noqa: E402
-from experiments.training import log_steps, module, perf, windows  # noqa: E402
+from experiments.data import SyntheticRegression
+from experiments.data.loader import StepWindows
+from experiments.training import log_steps, module, perf, windows
 
 
 @contextlib.contextmanager
@@ -88,7 +86,7 @@ VARIANTS = {  # name: (extra overrides, the patch that undoes the option)
 def measure(args, data, batch_size: int) -> list[dict]:
     cpu = torch.device("cpu")
     x, y = data.x_train, data.y_train
-    steps = benchmark.choose_steps(x, y, batch_size, cpu, args, "device")
+    steps = benchmark_loop.choose_steps(x, y, batch_size, cpu, args, "device")
     overrides = [
         f"data.num_samples={args.samples}",
         f"data.num_features={args.features}",
@@ -99,11 +97,12 @@ def measure(args, data, batch_size: int) -> list[dict]:
     raws, runs = [], {name: [] for name in VARIANTS}
     names = list(VARIANTS)
     for rep in range(args.reps):
-        raws.append(benchmark.raw_loop(x, y, batch_size, steps, cpu, "32-true", "device", (data.x_val, data.y_val)))
+        val = (data.x_val, data.y_val)
+        raws.append(benchmark_loop.raw_loop(x, y, batch_size, steps, cpu, "32-true", "device", val))
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
             extra, undo = VARIANTS[name]
             with undo():
-                runs[name].append(benchmark.project_run([*overrides, *extra], steps)[0])
+                runs[name].append(benchmark_loop.project_run([*overrides, *extra], steps)[0])
     raw = min(raws)
     rows = []
     for name, metrics in runs.items():
