@@ -1,6 +1,6 @@
 """A callback for a DDP test run from the command line (`+callbacks.signal_peer._target_=signal_rank.SignalPeer`,
 tests/ on the PYTHONPATH): from `step` on, the `sender` rank sends SIGTERM to its peer while the peer waits in the
-ranks' agreement on a stop (experiments.training.interruption), the sender not there yet (test_reliability.py)."""
+ranks' agreement on a stop (experiments.training.interruption), the sender not there yet (test_faults_ranks.py)."""
 
 import os
 import signal

@@ -18,7 +18,7 @@ from experiments.run.signals import Interrupted
 from experiments.training.module import Regressor
 
 # (override, what the line must name): one or two per group, and Hydra's own composition errors. Each is
-# a CLI start (a few seconds); the in-process checks (test_reliability.py) cover the other settings.
+# a CLI start (a few seconds); the in-process checks (test_faults_input.py) cover the other settings.
 BAD_INPUT = [
     ("trainer.limit_train_batches=-1", "trainer.limit_train_batches=-1"),  # Lightning's constructor refused it
     ("trainer.max_steps=0", "trainer.max_steps=0"),

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 import torchmetrics
+from background import start_train, wait_for
 from conftest import ROOT, TINY, cli, python
-from test_machine_failures import saved, start, starts, wait_for
+from faults import saved, starts
 
 
 def git(repo: Path, *args: str) -> str:
@@ -105,8 +106,8 @@ def test_eval_and_predict_name_the_checkpoint_and_what_trained_it(tmp_path):
 def test_a_resume_on_other_code_says_so_in_one_line(tmp_path):
     run_dir = tmp_path / "run"
     args = ["trainer.max_epochs=40", f"hydra.run.dir={run_dir}"]
-    stopped = start(*args, log=tmp_path / "stopped.log")
-    wait_for(lambda: saved(run_dir) is not None, stopped)
+    stopped = start_train(*args, log=tmp_path / "stopped.log")
+    wait_for(lambda: saved(run_dir) is not None, "the first checkpoint", stopped)
     stopped.send_signal(signal.SIGTERM)
     assert stopped.wait(timeout=300) == 128 + signal.SIGTERM
     # The checkpoint as other code would have saved it: another commit in its record.
