@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from background import wait_for
 from conftest import ROOT, TINY, cli, compose_config, python
 
 from experiments.commands.train import train
@@ -115,10 +116,7 @@ def test_an_interrupted_sweep_job_is_a_row_and_the_sweep_stops(tmp_path):
     command = [python(), "train.py", "-m", *TINY, *long_job, "seed=0,1", f"hydra.sweep.dir={tmp_path}"]
     process = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 120
-        while not (tmp_path / "0" / "csv" / "metrics.csv").exists():  # job 0 is training
-            assert process.poll() is None and time.monotonic() < deadline
-            time.sleep(0.05)
+        wait_for((tmp_path / "0" / "csv" / "metrics.csv").exists, "job 0 to train", process, timeout=120)
         process.send_signal(signal.SIGTERM)
         _, stderr = process.communicate(timeout=60)
     finally:

@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from background import wait_for
 from conftest import ROOT, TINY, compose_config, final_weights, logged_tags, metrics, with_tests_on_path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -72,12 +73,8 @@ def state(job: str) -> str:
 
 
 def wait_until(condition, what: str, timeout: float = 240) -> float:
-    """Seconds until `condition` held."""
-    started = time.monotonic()
-    while not condition():
-        assert time.monotonic() - started < timeout, f"{what}: not after {timeout} s"
-        time.sleep(0.25)
-    return time.monotonic() - started
+    """Seconds until `condition` held, asked at the scheduler's pace (squeue asks slurmctld)."""
+    return wait_for(condition, what, timeout=timeout, every=0.25)
 
 
 def assert_weights_of_one_device(run_dir: Path, one_dir: Path, *args: str) -> float:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import prefork
 import pytest
+from background import start, wait_for
 from conftest import ROOT, TINY
 
 # What a command sees of its process, printed as one JSON line; then what the test asks of it (argv[1]).
@@ -137,10 +138,8 @@ def test_a_sigkill_of_the_shim_ends_the_command(shim, tmp_path):
     process.kill()  # SIGKILL: no handler forwards it
     process.wait(timeout=10)
     os.close(fd)
-    deadline = time.monotonic() + 10
-    while Path(f"/proc/{child}").exists() and time.monotonic() < deadline:
-        time.sleep(0.05)  # its server reaps it
-    assert not Path(f"/proc/{child}").exists(), "the command outlived its shim"
+    # Its server reaps it.
+    wait_for(lambda: not Path(f"/proc/{child}").exists(), "the command to end with its shim", timeout=10)
 
 
 def test_what_the_shim_cannot_serve_runs_on_the_real_interpreter(shim, tmp_path):
@@ -167,14 +166,10 @@ def test_the_users_commands_run_as_with_the_real_interpreter(shim, tmp_path):
     assert bad.returncode == 2 and bad.stderr.startswith("error: data.batch_size=0"), bad.stderr
     long = ["data.num_samples=100000", "data.batch_size=4", "trainer.max_epochs=1", "logger=csv"]
     command = [str(shim), "train.py", *TINY, *long, f"hydra.run.dir={tmp_path / 'run'}"]
-    process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 120
-    while not (tmp_path / "run" / "csv" / "metrics.csv").exists():
-        assert process.poll() is None and time.monotonic() < deadline, process.stderr.read()[-2000:]
-        time.sleep(0.05)
+    process = start(command, log=tmp_path / "run.log", env=env)
+    wait_for((tmp_path / "run" / "csv" / "metrics.csv").exists, "a logged step", process, timeout=120)
     process.send_signal(signal.SIGTERM)
-    _, stderr = process.communicate(timeout=60)
-    assert process.returncode == 128 + signal.SIGTERM, stderr[-2000:]
+    assert process.wait(timeout=60) == 128 + signal.SIGTERM, process.output()
     assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "interrupted"
     assert (tmp_path / "run" / "checkpoints" / "last.ckpt").exists()
     log = (shim.parent / "log").read_text()

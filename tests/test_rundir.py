@@ -7,11 +7,11 @@ import json
 import os
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from background import start, wait_for
 from conftest import ROOT, TINY, cli, compose_config, final_weights, logged_tags, python
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
@@ -132,14 +132,11 @@ def test_a_sweep_stopped_in_its_second_job_and_run_again_completes_every_job(tmp
     sweep = tmp_path / "sweep"
     command = [python(), "train.py", "-m", *TINY, "data.num_samples=1000", "data.batch_size=4"]
     command += ["trainer.max_epochs=3", "optimizer.lr=0.01,0.02,0.03", f"hydra.sweep.dir={sweep}"]
-    with open(tmp_path / "first.log", "w") as log:
-        first = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
-        deadline = time.monotonic() + 180
-        while "train/loss" not in logged_tags(sweep / "1"):  # the second job is training (not still setting up)
-            assert first.poll() is None and time.monotonic() < deadline, (tmp_path / "first.log").read_text()[-2000:]
-            time.sleep(0.1)
-        first.send_signal(signal.SIGTERM)
-        assert first.wait(timeout=60) == 128 + signal.SIGTERM
+    first = start(command, log=tmp_path / "first.log")
+    # The second job is training (not still setting up).
+    wait_for(lambda: "train/loss" in logged_tags(sweep / "1"), "job 1's first step", first, timeout=180, every=0.1)
+    first.send_signal(signal.SIGTERM)
+    assert first.wait(timeout=60) == 128 + signal.SIGTERM
     assert json.loads((sweep / "1" / "metrics.json").read_text())["status"] == "interrupted"
     assert not (sweep / "2").exists()
     job0 = snapshot(sweep / "0")

@@ -12,12 +12,12 @@ import socket
 import sqlite3
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
 import optuna
 import pytest
+from background import wait_for
 from conftest import ROOT, TINY, python
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
@@ -141,10 +141,7 @@ def test_a_search_run_again_continues_its_study_and_a_killed_trial_becomes_faile
     command[0] = sys.executable  # the kill at once: a SIGKILL of the shim reaches the command a moment later
     killed = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                               start_new_session=True)  # fmt: skip
-    deadline = time.monotonic() + 300
-    while not (sweep_dir / "2" / ".hydra" / "overrides.yaml").exists() and killed.poll() is None:
-        assert time.monotonic() < deadline
-        time.sleep(0.02)
+    wait_for((sweep_dir / "2" / ".hydra" / "overrides.yaml").exists, "trial 2 to start", killed, every=0.02)
     os.killpg(killed.pid, signal.SIGKILL)
     killed.wait(timeout=60)
     assert [t.state for t in study_of(sweep_dir).trials] == [TrialState.COMPLETE] * 2 + [TrialState.RUNNING]
@@ -256,18 +253,19 @@ def dashboard(failed_trial_search):
     server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                urllib.request.urlopen(url + "/api/meta", timeout=5)
-                break
-            except OSError:
-                assert server.poll() is None and time.monotonic() < deadline, "optuna-dashboard did not start"
-                time.sleep(0.2)
+        wait_for(lambda: answers(url + "/api/meta"), "optuna-dashboard to answer", server, timeout=60, every=0.2)
         yield url
     finally:
         server.terminate()
         server.wait(timeout=30)
+
+
+def answers(url: str) -> bool:
+    try:
+        urllib.request.urlopen(url, timeout=5).close()
+        return True
+    except OSError:
+        return False
 
 
 def get_json(url: str):

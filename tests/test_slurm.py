@@ -9,11 +9,11 @@ import os
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
+from background import wait_for
 from conftest import ROOT, TINY, compose_config, final_weights, logged_tags, metrics
 
 from experiments.commands.train import train
@@ -47,10 +47,7 @@ def state(job: str) -> str:
 
 
 def wait_until(condition, what: str, timeout: float = 240) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"{what}: not after {timeout} s"
-        time.sleep(0.5)
+    wait_for(condition, what, timeout=timeout, every=0.5)  # at the scheduler's pace: squeue asks slurmctld
 
 
 def test_sbatch_ddp_over_two_tasks_gives_the_weights_of_one_device(tmp_path):
