@@ -27,10 +27,11 @@ def test_no_module_but_internals_touches_a_private_name():
                "_batches_that_stepped", "_every_n_train_steps", "_val_check_time_interval", "_prefix",
                "_get_file_writer", "_add_prefix", "_verify_loop_configurations", "_python_dispatch",
                "_broadcast_sigterm_tensor", "_checkpoint_connector",
-               "_MATPLOTLIB_AVAILABLE", "_check_requirement", "batch_progress", "full_key: "]  # fmt: skip
+               "_MATPLOTLIB_AVAILABLE", "_check_requirement", "batch_progress", "full_key: ", "_trial_id"]  # fmt: skip
     found = [
         f"{path.relative_to(src.parents[1])}: {name}"
-        for path in [*src.rglob("*.py"), *(src.parents[1] / "scripts").glob("*.py")]
+        for path in [*src.rglob("*.py"), *(src.parent / "hydra_plugins").rglob("*.py"),
+                     *(src.parents[1] / "scripts").glob("*.py")]
         if "internals" not in path.parts
         for name in private
         if re.search(rf"(?<!\w){re.escape(name)}(?!\w)", path.read_text())

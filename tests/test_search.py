@@ -1,12 +1,15 @@
 """The Optuna search (docs/sweeps.md): `hparams_search=optuna` through the real CLI on the project's own sweeper
-(src/hydra_plugins/lab_optuna_sweeper), its study in the sweep dir, continued, a killed trial failed, a study of
-Optuna 2.10 refused; the search space and the samplers in process; optuna-dashboard through its own CLI, read
+(src/hydra_plugins/lab_optuna_sweeper), its study in the sweep dir, started from the config as given, its trials two
+at a time (joblib), continued after SIGTERM, SIGINT, SIGUSR1 and SIGKILL with the cut trial resumed, a space the
+config refuses refused before anything is written, a study of Optuna 2.10 refused; the search space and the
+samplers in process; optuna-dashboard through its own CLI, read
 through its HTTP API and in a real browser (skipped without Chromium, a failure under GPU_LAB_REQUIRE_BROWSER).
 GPU_LAB_SCREENSHOTS=DIR keeps the dashboard's screenshot in DIR (docs/sweeps/ holds the committed one)."""
 
 import csv
 import json
 import os
+import re
 import signal
 import socket
 import sqlite3
@@ -17,8 +20,9 @@ from pathlib import Path
 
 import optuna
 import pytest
+import torch
 from background import wait_for
-from conftest import ROOT, TINY, python
+from conftest import ROOT, TINY, metrics, python
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 from optuna.distributions import CategoricalDistribution, FloatDistribution, IntDistribution
@@ -26,8 +30,8 @@ from optuna.trial import TrialState
 
 from experiments.commands.entry import CONFIG_DIR
 from experiments.config.errors import ConfigError
-from hydra_plugins.lab_optuna_sweeper._search import ABANDONED, Search
-from hydra_plugins.lab_optuna_sweeper._space import grid, search_space
+from hydra_plugins.lab_optuna_sweeper._search import Search
+from hydra_plugins.lab_optuna_sweeper._space import check_space, grid, search_space
 
 # A study of Optuna 2.10.1 (two trials), as `sqlite3 .dump` text: made once in a throwaway venv
 # (pip install optuna==2.10.1 'sqlalchemy<2'), so that no test needs Optuna 2 installed.
@@ -66,7 +70,7 @@ def assert_study_and_results_agree(sweep_dir: Path) -> None:
         if trial.state == TrialState.COMPLETE:
             assert trial.value == pytest.approx(float(row["val_mse"]))
         else:
-            assert trial.user_attrs.get("error", ABANDONED) in (row["error"], ABANDONED)
+            assert trial.user_attrs["error"] == row["error"]
 
 
 # ------------------------------------------------------------------------------------------- a search on the CLI
@@ -74,10 +78,14 @@ def assert_study_and_results_agree(sweep_dir: Path) -> None:
 
 @pytest.fixture(scope="module")
 def failed_trial_search(tmp_path_factory) -> Path:
-    """Four trials, the study in the sweep dir (the default); a test-only space where one lr choice diverges (the
-    sampler's seed, 1234, draws both)."""
+    """Four trials, two at a time in joblib's worker processes, the study in the sweep dir (the default); a
+    test-only space where one lr choice diverges: the first trial is the config's own lr (0.05), the sampler's seed,
+    1234, draws the other. The search's output is in search.log beside the sweep dir."""
     sweep_dir = tmp_path_factory.mktemp("search") / "sweep"
-    result = search(sweep_dir, "hydra.sweeper.n_trials=4", "optimizer=sgd", "optimizer.lr=choice(0.05,100000)")
+    parallel = ("hydra/launcher=joblib", "hydra.launcher.n_jobs=2", "hydra.sweeper.n_jobs=2")
+    space = ("optimizer=sgd", "optimizer.lr=choice(0.05,100000)")
+    result = search(sweep_dir, "hydra.sweeper.n_trials=4", *space, *parallel)
+    (sweep_dir.parent / "search.log").write_text(result.stdout + result.stderr)
     assert result.returncode == 0, result.stderr[-2000:]
     return sweep_dir
 
@@ -93,6 +101,28 @@ def test_optuna_search_records_every_trial_and_goes_on_past_a_failed_one(failed_
     best = OmegaConf.load(failed_trial_search / "optimization_results.yaml")
     assert best.best_params["optimizer.lr"] == 0.05
     assert best.best_value == pytest.approx(min(float(r["val_mse"]) for r in rows if r["status"] == "completed"))
+
+
+def test_two_trials_at_a_time_write_one_study_and_lose_none(failed_trial_search):
+    """joblib's two worker processes run the trials of a batch at once; the search alone writes the study."""
+    log = (failed_trial_search.parent / "search.log").read_text()
+    assert log.count("is launching 2 jobs") == 2 and "database is locked" not in log
+    trials = study_of(failed_trial_search).trials
+    assert [t.number for t in trials] == [0, 1, 2, 3] and all(t.state.is_finished() for t in trials)
+
+
+def test_a_new_search_starts_from_the_config_as_given_and_ends_against_it(failed_trial_search):
+    first = study_of(failed_trial_search).trials[0]
+    assert first.params == {"optimizer.lr": 0.05} and first.user_attrs["baseline"] is True  # conf/optimizer/sgd.yaml
+    assert first.state == TrialState.COMPLETE
+    rows = {int(row["job"]): row for row in results(failed_trial_search)}
+    over = float(rows[0]["val_mse"]) / float(rows[0]["optimal_val_mse"])
+    best = OmegaConf.load(failed_trial_search / "optimization_results.yaml")
+    assert (best.baseline_trial, best.baseline_over_optimum) == (0, pytest.approx(over))
+    # Its last lines: the best trial, and the config as given, each over the optimum.
+    log = (failed_trial_search.parent / "search.log").read_text()
+    assert f"val MSE {float(rows[0]['val_mse']):.6g} = {over:.4f}x the optimum" in log
+    assert "the best trial is the config as given (trial 0)" in log or "best against the config as given" in log
 
 
 @pytest.mark.slow
@@ -118,48 +148,85 @@ def test_optuna_search_with_ddp_trials(tmp_path):
 
 @pytest.mark.slow
 def test_a_grid_search_runs_each_point_once(tmp_path):
-    space = ("hydra/sweeper/optuna_sampler=grid", "optimizer=sgd", "optimizer.lr=choice(0.01,0.05)")
+    space = ("hydra/sweeper/optuna_sampler=grid", "optimizer=sgd", "optimizer.lr=choice(0.05,0.2)")
     result = search(tmp_path / "sweep", "hydra.sweeper.n_trials=20", *space)  # capped at the grid's 2 points
     assert result.returncode == 0, result.stderr[-2000:]
     trials = study_of(tmp_path / "sweep").trials
-    assert sorted(t.params["optimizer.lr"] for t in trials) == [0.01, 0.05]
+    assert sorted(t.params["optimizer.lr"] for t in trials) == [0.05, 0.2]
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
     assert_study_and_results_agree(tmp_path / "sweep")
+    # The config as given (lr 0.05) is one of the points; the other did better, and the last line says by how much.
+    given, best = sorted(trials, key=lambda t: t.params["optimizer.lr"])
+    assert best.value < given.value
+    line = f"best against the config as given: {best.value / given.value:.4f}x its val MSE (the config's is "
+    assert line + f"{given.value / best.value:.4f}x the best's)" in result.stdout + result.stderr
 
 
+# Trials long enough to cut mid-epoch: 200 steps an epoch, 3 epochs, the steps in csv/metrics.csv as they are logged.
+LONG = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=3", "logger=csv", "optimizer=sgd"]
+LONG += ["optimizer.lr=interval(0.01,0.1)", "hydra.sweeper.n_trials=2"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_search(tmp_path_factory) -> optuna.Study:
+    sweep_dir = tmp_path_factory.mktemp("uninterrupted") / "sweep"
+    result = search(sweep_dir, *LONG)
+    assert result.returncode == 0, result.stderr[-2000:]
+    return study_of(sweep_dir)
+
+
+def logged_step(job_dir: Path) -> int:
+    try:  # CSVLogger rewrites the file in place: a read may catch it half written
+        return max(int(row["step"]) for row in csv.DictReader((job_dir / "csv" / "metrics.csv").open()))
+    except (OSError, ValueError, KeyError, TypeError):
+        return -1
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT, signal.SIGUSR1, signal.SIGKILL],
+                         ids=lambda s: signal.Signals(s).name)  # fmt: skip
 @pytest.mark.slow
-def test_a_search_run_again_continues_its_study_and_a_killed_trial_becomes_failed(tmp_path):
+def test_a_search_cut_by_a_signal_or_killed_goes_on_with_the_same_command(tmp_path, uninterrupted_search, signum):
+    """Trial 1 cut in its second epoch: the search stops, says to run the same command again, and that finishes
+    the study: trial 1 resumes in its own job dir (from the signal's exact position, or from the last epoch's
+    checkpoint after a kill) and ends with the value of the uninterrupted search's trial 1; trial 0 is kept."""
     sweep_dir = tmp_path / "sweep"
-    space = ("optimizer=sgd", "optimizer.lr=interval(0.01,0.1)")
-    first = search(sweep_dir, "hydra.sweeper.n_trials=2", *space)
-    assert first.returncode == 0, first.stderr[-2000:]
-    kept = {path: path.read_bytes() for path in sorted(sweep_dir.glob("[01]/*.json"))}
-    assert [p.name for p in kept].count("metrics.json") == [p.name for p in kept].count("job.json") == 2
+    command = search_command(sweep_dir, *LONG)
+    if signum == signal.SIGKILL:
+        command[0] = sys.executable  # a SIGKILL of the shim reaches the command a moment later
+    log = open(tmp_path / "cut.log", "w")  # noqa: SIM115 (closed below)
+    cut = subprocess.Popen(command, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    # past the first epoch's checkpoint (step 200)
+    wait_for(lambda: logged_step(sweep_dir / "1") >= 250, "trial 1's step 250", cut, every=0.02)
+    if signum == signal.SIGKILL:
+        os.killpg(cut.pid, signal.SIGKILL)  # the whole search, as a lost node or the OOM killer takes it
+    else:
+        cut.send_signal(signum)
+    code = cut.wait(timeout=120)
+    log.close()
+    said = (tmp_path / "cut.log").read_text()
+    assert code == (-9 if signum == signal.SIGKILL else 128 + signum), said[-2000:]
+    kept = {path: path.read_bytes() for path in sorted((sweep_dir / "0").glob("*.json"))}
+    assert [t.state for t in study_of(sweep_dir).trials] == [TrialState.COMPLETE, TrialState.RUNNING]
+    stopped = metrics(sweep_dir / "1")
+    saved = torch.load(sweep_dir / "1" / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    if signum != signal.SIGKILL:
+        name = signal.Signals(signum).name
+        line = f"interrupted by {name}: the search stopped with 1 of 2 trials ended; run the same command again"
+        assert line in said and "ckpt_path=" not in said, said[-2000:]
+        assert stopped["status"] == "interrupted" and stopped["global_step"] >= 250
 
-    # The same command, to 4 trials: killed (SIGKILL, nothing can clean up) while trial 2 runs.
-    command = search_command(sweep_dir, "hydra.sweeper.n_trials=4", *space)
-    command[0] = sys.executable  # the kill at once: a SIGKILL of the shim reaches the command a moment later
-    killed = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                              start_new_session=True)  # fmt: skip
-    wait_for((sweep_dir / "2" / ".hydra" / "overrides.yaml").exists, "trial 2 to start", killed, every=0.02)
-    os.killpg(killed.pid, signal.SIGKILL)
-    killed.wait(timeout=60)
-    assert [t.state for t in study_of(sweep_dir).trials] == [TrialState.COMPLETE] * 2 + [TrialState.RUNNING]
-
-    again = search(sweep_dir, "hydra.sweeper.n_trials=4", *space)
+    again = search(sweep_dir, *LONG)
     assert again.returncode == 0, again.stderr[-2000:]
-    states = [t.state for t in study_of(sweep_dir).trials]
-    assert states == [TrialState.COMPLETE, TrialState.COMPLETE, TrialState.FAIL, TrialState.COMPLETE]
+    assert "trials 1 did not end (the search was stopped or killed)" in again.stdout + again.stderr
+    trials = study_of(sweep_dir).trials
+    assert [t.state for t in trials] == [TrialState.COMPLETE] * 2
     assert {path: path.read_bytes() for path in kept} == kept  # finished trials are not run again
-    rows = results(sweep_dir)
-    assert [(row["job"], row["status"]) for row in rows] == [
-        ("0", "completed"), ("1", "completed"), ("2", "failed"), ("3", "completed")
-    ]  # fmt: skip
-    assert rows[2]["error"] == ABANDONED
+    reference = uninterrupted_search.trials
+    assert [t.params for t in trials] == [t.params for t in reference]
+    assert trials[1].value == reference[1].value  # bit for bit: the resume is exact
+    resumed = json.loads((sweep_dir / "1" / "provenance.json").read_text())["starts"][-1]["resumed_from"]
+    assert resumed["global_step"] == saved == (saved if signum == signal.SIGKILL else stopped["global_step"])
     assert_study_and_results_agree(sweep_dir)
-    # A continued search draws on: its trials are not the first ones again (the sampler's seed follows the trials).
-    params = [t.params["optimizer.lr"] for t in study_of(sweep_dir).trials]
-    assert len(set(params)) == 4
 
 
 @pytest.mark.slow
@@ -181,6 +248,43 @@ def test_a_study_written_by_optuna_2_10_is_refused_until_upgraded(tmp_path):
     assert continued.returncode == 0, continued.stderr[-2000:]
     trials = optuna.load_study(study_name="gpu-lab", storage=storage).trials
     assert [t.state for t in trials] == [TrialState.COMPLETE] * 3 and trials[2].user_attrs["job"] == 2
+
+
+# Spaces that would give a trial a value the config refuses, and the line each gets: before any job, study or dir.
+REFUSED_SPACES = {
+    "optimizer.lr=interval(0.5,0.1)": "low 0.5 is above high 0.1; allowed: interval(low, high), low <= high",
+    "optimizer.lr=tag(log,interval(0,1))": "a log scale needs low > 0; allowed: tag(log, interval(low, high)), low > 0",
+    "optimizer.lr=choice(0.1,-1)": "-1 is not allowed; allowed: a finite number > 0",
+    "data.batch_size=choice(64,abc)": "abc is not allowed; allowed: an integer >= 1",
+    "data.batch_size=interval(16,256)": "16.0 is not allowed; allowed: an integer >= 1, which an interval (floats) "
+    "never gives: range(start, stop) or choice(...)",
+    "data.batch_size=range(64,1)": "the range is empty; allowed: range(start, stop[, step]), start < stop for a "
+    "positive step",
+    "optimizer=choice(sgd,nope)": "nope is not an option of optimizer; allowed: adam, sgd",
+    "trainer.max_epochs=choice(1,2.5)": "2.5 is not allowed; allowed: an integer >= 0, or -1 for no limit",
+}
+
+
+@pytest.mark.parametrize("space", ["optimizer.lr=interval(0.5,0.1)", "data.batch_size=choice(64,abc)"])
+def test_a_space_the_config_refuses_is_refused_before_anything_is_written(tmp_path, space):
+    result = search(tmp_path / "sweep", space, "hydra.sweeper.n_trials=2")
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert result.stderr.strip().splitlines() == [f"error: {space}: {REFUSED_SPACES[space]}"]
+    assert not (tmp_path / "sweep").exists()  # no sweep dir, no study, no job
+
+
+@pytest.mark.parametrize("space", REFUSED_SPACES)
+def test_each_value_of_the_space_is_held_to_the_configs_rules(space):
+    with initialize_config_dir(config_dir=CONFIG_DIR, version_base="1.3"):
+        cfg = compose("config", ["hparams_search=optuna"], return_hydra_config=True)
+    with pytest.raises(ConfigError) as refused:
+        check_space({}, [space], cfg)
+    assert str(refused.value) == f"{space}: {REFUSED_SPACES[space]}"
+    # An entry of hydra.sweeper.params is named as such; the default space passes.
+    key, value = space.split("=", 1)
+    with pytest.raises(ConfigError, match=rf"^hydra\.sweeper\.params\.{re.escape(key)}="):
+        check_space({key: value}, [], cfg)
+    check_space({k: str(v) for k, v in cfg.hydra.sweeper.params.items()}, [], cfg)
 
 
 # ------------------------------------------------------------------------------------------ the space, in process

@@ -138,12 +138,14 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
     try:
         return task(cfg)
     except Interrupted as stop:  # a sweep stops too: the user or the scheduler asked for it
-        print(stop, file=sys.stderr)
         if multirun:
             # The exit passes Hydra's callbacks by (SweepRecord): the job records itself.
-            from experiments.sweeps.record import record_interrupted_job  # a sweep's module: imported when needed
+            from experiments.sweeps.record import interrupted_line, record_interrupted_job  # imported when needed
 
+            print(interrupted_line(stop, HydraConfig.get()), file=sys.stderr)
             record_interrupted_job(HydraConfig.get())
+        else:
+            print(stop, file=sys.stderr)
         sys.exit(stop.exit_code)
     except Exception as err:
         error = user_error(err, cfg) or (err if isinstance(err, RunFailed) else None)

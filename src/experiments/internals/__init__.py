@@ -227,6 +227,16 @@ def job_error(job_return: JobReturn) -> BaseException:
     return job_return._return_value
 
 
+def optuna_trial(study, frozen):
+    """The `optuna.Trial` of a trial that is still RUNNING in `study` (a FrozenTrial from `study.get_trials`), to set
+    its user attributes while its job runs again: a search stopped or killed left it running (the sweeper runs it
+    again with the same parameters and tells its result). Why private: Optuna makes a Trial for the trials that
+    `ask` starts; for one that another process started there is only its FrozenTrial, whose storage id is private."""
+    import optuna  # a search's dependency: loaded by a search only
+
+    return optuna.Trial(study, frozen._trial_id)
+
+
 def summary_file_writer(writer):
     """The event file writer behind torch's `SummaryWriter`, to add a ready-made Summary proto (TensorBoard's hparams
     plugin summaries, and a log step's scalars as one event: training.dashboard) to the run's own event file:

@@ -27,9 +27,20 @@ from experiments.internals import (
     TorchDispatchMode,
     ddp_start_method,
     instantiation_failure,
+    optuna_trial,
     parse_device_string,
     precisions,
 )
+
+
+def _optuna_trial_of_frozen() -> bool:
+    import optuna
+
+    study = optuna.create_study()
+    trial = study.ask()
+    frozen = study.get_trials(deepcopy=False)[0]
+    optuna_trial(study, frozen).set_user_attr("probe", 1)
+    return study.get_trials(deepcopy=False)[0].user_attrs == {"probe": 1} and trial.number == frozen.number
 
 
 def _names_node_and_target() -> bool:
@@ -167,4 +178,5 @@ TOUCHES: list[tuple[str, Callable[[], bool]]] = [
     ("Trainer._checkpoint_connector.dump_checkpoint in save_checkpoint", _save_is_dump_write_barrier),
     ("torchmetrics _MATPLOTLIB_AVAILABLE", _torchmetrics_plots_need_matplotlib_cache),
     ("hydra InstantiationException's text: target and full_key", _names_node_and_target),
+    ("optuna FrozenTrial._trial_id", _optuna_trial_of_frozen),
 ]

@@ -80,6 +80,10 @@ class SweepPaths:
     def study(self) -> Path:  # an Optuna search's study, unless hydra.sweeper.storage says otherwise
         return Path(self.root) / "optuna.db"
 
+    @property
+    def study_journal(self) -> Path:  # the same in Optuna's journal file: a search's trials on SLURM
+        return Path(self.root) / "optuna.journal"
+
 
 def run_of_checkpoint(checkpoint: Path) -> RunPaths | None:
     """The run dir a checkpoint sits in (`<run>/checkpoints/<name>.ckpt`); None for a file elsewhere."""

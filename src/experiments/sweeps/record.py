@@ -12,6 +12,7 @@ import fcntl
 import io
 import json
 import logging
+import signal
 import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -137,11 +138,15 @@ def record_interrupted_job(hydra_cfg: DictConfig) -> None:
     write_results(Path(hydra_cfg.sweep.dir))
 
 
-def record_failed_job(job_dir: Path, num: int, overrides: list[str], error: str) -> None:
-    """A `failed` row for a job that could not record itself: a search killed while it ran (the Optuna sweeper
-    marks its trial failed when the search goes on). The caller rebuilds results.csv."""
-    record = {"num": num, "overrides": list(overrides), "status": "failed", "error": error}
-    write_atomic(RunPaths(job_dir).job_record, json.dumps(record, indent=2) + "\n")
+def interrupted_line(stop: BaseException, hydra_cfg: DictConfig) -> str:
+    """What a sweep's job cut by a signal (`run.signals.Interrupted`) says: not a single run's `ckpt_path=` advice,
+    since the same command resumes the sweep, this job from its checkpoint."""
+    job = f"job {hydra_cfg.job.num}"
+    saved = f"{job} saved its position in {stop.checkpoint}" if stop.checkpoint else f"{job} had not started training"
+    given = any(str(o).split("=", 1)[0] == "hydra.sweep.dir" for o in hydra_cfg.overrides.hydra)
+    again = "run the same command again" + ("" if given else f" with hydra.sweep.dir={hydra_cfg.sweep.dir}")
+    name = signal.Signals(stop.signum).name
+    return f"interrupted by {name}: {saved}; {again} to continue the sweep (its ended jobs are kept)"
 
 
 def swept_overrides(hydra_cfg: DictConfig) -> dict[str, str]:
