@@ -337,3 +337,75 @@ def test_a_submitit_sweep_of_two_node_jobs(tmp_path):
     for job in ("0", "1"):
         ranks = json.loads((sweep / job / "provenance.json").read_text())["starts"][-1]["ranks"]
         assert [r["host"] for r in ranks] == ["n1", "n2"], job
+
+
+# A search whose trials are SLURM jobs, two at a time, each taking a whole node (its 2 CPUs): 4000 steps a trial
+# (20 epochs of 200), so that a node can be lost, or a trial requeued, in mid-trial.
+SEARCH = [*TINY, *LONG, "hparams_search=optuna", "optimizer=sgd", "optimizer.lr=interval(0.005,0.02)"]
+SEARCH += ["hydra.sweeper.n_trials=4", "hydra.sweeper.n_jobs=2", "hydra/launcher=submitit_slurm"]
+SEARCH += ["hydra.launcher.cpus_per_task=2", "hydra.launcher.mem_gb=2", "hydra.launcher.timeout_min=10"]
+
+
+def holder(job_dir: Path) -> dict:
+    """Who runs job `job_dir` (experiments.run.lock's record: host, SLURM job); {} before it started."""
+    try:
+        return json.loads((job_dir / ".lock").read_text() or "{}")
+    except (OSError, ValueError):
+        return {}
+
+
+@pytest.mark.slow
+def test_a_search_across_two_nodes_survives_a_lost_node_and_a_requeue(tmp_path):
+    """`hydra/launcher=submitit_slurm`: the trials run as SLURM jobs two at a time, on n1 and n2, one study in the
+    sweep dir (Optuna's journal file, on the file system both nodes share). n2 lost in trial 0 or 1 (its slurmd and
+    the trial's processes killed: the machine gone): SLURM requeues the job and the trial resumes from its last
+    epoch's checkpoint. Trial 2 requeued by `scontrol requeue`: it resumes from the exact position its SIGTERM
+    saved. The search waits through both and ends with 4 completed trials, results.csv agreeing."""
+    import optuna  # a search's dependency: loaded by this test only
+
+    sweep, name = tmp_path / "sweep", f"search-{tmp_path.name}"
+    command = [sys.executable, "train.py", "-m", *SEARCH, f"hydra.launcher.name={name}", f"hydra.sweep.dir={sweep}"]
+    with open(tmp_path / "search.log", "w") as log:
+        driver = subprocess.Popen(command, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
+    said = lambda: (tmp_path / "search.log").read_text()[-3000:]  # noqa: E731
+    try:
+        on_node = lambda: {h.get("host"): n for n in (0, 1) if (h := holder(sweep / str(n)))}  # noqa: E731
+        wait_until(lambda: len(on_node()) == 2 and last_epoch_checkpoint(sweep / str(on_node()["n2"])) > 0,
+                   "trials 0 and 1 on n1 and n2, n2's past its first epoch")  # fmt: skip
+        lost = on_node()["n2"]
+        lost_job = holder(sweep / str(lost))["slurm_job"]
+        os.kill(int((DIR / "slurmd-n2.pid").read_text()), signal.SIGKILL)
+        for pid in job_pids(2):
+            os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: job_record(lost_job).get("Restarts") == "1", "n2 DOWN and the trial's job requeued", 90)
+        assert script("start").returncode == 0  # the node comes back
+        wait_until(lambda: start_if_pending(lost_job) or metrics(sweep / str(lost)).get("status") == "completed",
+                   "the lost trial resumed")  # fmt: skip
+
+        wait_until(lambda: "train/loss" in logged_tags(sweep / "2"), "trial 2 training", 300)
+        requeued_job = holder(sweep / "2")["slurm_job"]
+        slurm("scontrol", "requeue", requeued_job)
+        wait_until(lambda: metrics(sweep / "2").get("status") in ("interrupted", "completed"), "trial 2 stopped")
+        interrupted = metrics(sweep / "2")
+        assert interrupted["status"] == "interrupted", said()
+        wait_until(lambda: start_if_pending(requeued_job) or driver.poll() is not None, "the search's end", 400)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        slurm("scancel", "-n", name, check=False)
+    assert driver.returncode == 0, said()
+
+    storage = optuna.storages.JournalStorage(optuna.storages.journal.JournalFileBackend(str(sweep / "optuna.journal")))
+    trials = optuna.load_study(study_name="gpu-lab", storage=storage).trials
+    assert [t.state for t in trials] == [optuna.trial.TrialState.COMPLETE] * 4, said()
+    assert not (sweep / "optuna.db").exists()
+    rows = {int(row["job"]): row for row in csv.DictReader((sweep / "results.csv").open())}
+    assert [rows[t.number]["status"] for t in trials] == ["completed"] * 4
+    assert [float(rows[t.number]["val_mse"]) for t in trials] == pytest.approx([t.value for t in trials])
+    starts = {n: json.loads((sweep / str(n) / "provenance.json").read_text())["starts"] for n in range(4)}
+    assert {starts[n][0]["ranks"][0]["host"] for n in (0, 1)} == {"n1", "n2"}
+    assert len(starts[lost]) == 2 and starts[lost][1]["resumed_from"]["global_step"] % 200 == 0 < 4000
+    assert starts[2][-1]["resumed_from"]["global_step"] == interrupted["global_step"]
+    print(f"\nlost n2 in trial {lost} (SLURM job {lost_job}): resumed from step "
+          f"{starts[lost][1]['resumed_from']['global_step']} on {starts[lost][1]['ranks'][0]['host']}; trial 2 "
+          f"requeued at step {interrupted['global_step']}; values {[round(t.value, 6) for t in trials]}")
