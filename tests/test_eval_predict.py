@@ -3,6 +3,7 @@
 import csv
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -81,6 +82,25 @@ def test_eval_reproduces_the_runs_validation_figures(trained, tmp_path):
     assert metrics["val_mse"] > 1.5 * metrics["optimal_val_mse"]  # 5 epochs: not at the optimum, so it is the model
     assert {p.name for p in (out / ".hydra").iterdir()} == {"config.yaml", "hydra.yaml", "overrides.yaml"}
     assert "mse" in result.stdout and str(out / "eval.json") in result.stdout
+
+
+@pytest.mark.parametrize("script", ["eval.py", "predict.py"])
+def test_eval_and_predict_print_lightnings_lines_once_without_chatter(trained, tmp_path, script):
+    # The real interpreter, not the tests' pre-imported one: there Lightning is imported before Hydra sets up
+    # logging, the order in which each line shows once anyway.
+    args = [f"ckpt_path={trained['ckpt']}", f"hydra.run.dir={tmp_path / 'out'}"]
+    if script == "predict.py":
+        args.append(f"data.path={trained['other_csv']}")
+    command = [sys.executable, script, "trainer.enable_progress_bar=false", *args]
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    printed = result.stdout + result.stderr
+    assert printed.count("GPU available: False, used: False") == 1, printed  # which accelerator, once
+    for chatter in ("INFO: ", "💡 Tip", "litlogger", "TPU available", "LeafSpec"):
+        assert chatter not in printed, printed
+    if script == "eval.py":  # the two-line summary of docs/using-a-model.md, then the file
+        lines = result.stdout.strip().splitlines()[-3:]
+        assert "validation split" in lines[0] and lines[1].startswith("mse ") and lines[2].endswith("eval.json")
 
 
 def test_eval_scores_every_row_of_another_file(trained):

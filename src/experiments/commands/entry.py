@@ -84,9 +84,13 @@ def run_task(task: str, cfg: DictConfig) -> Any:
 
 def load_task(task: str) -> Callable[[DictConfig], Any]:
     """The task's function, its module imported after experiments.internals: that imports torchmetrics without
-    matplotlib (0.3 s of start-up), which it can only do before anything imports Lightning."""
+    matplotlib (0.3 s of start-up), which it can only do before anything imports Lightning. Every command then
+    prints Lightning's lines once each, without its chatter (experiments.run.summary.quiet_lightning): Lightning is
+    imported here, after Hydra has given the root logger its handler."""
     from experiments import internals  # noqa: F401
+    from experiments.run.summary import quiet_lightning
 
+    quiet_lightning()
     module, function = task.split(":")
     return getattr(importlib.import_module(module), function)
 

@@ -103,7 +103,7 @@ class TrainRecipe:
 
     def __init__(self, cfg: DictConfig, run_dir: Path):
         self.started = run_start_time()
-        quiet_lightning()
+        quiet_lightning()  # the commands did (experiments.commands.entry.load_task); this, for callers of train()
         self.cfg, self.paths = cfg, RunPaths(run_dir)
         self.rank = this_rank()
         if self.rank.started_by_launcher:
