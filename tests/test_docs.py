@@ -34,3 +34,20 @@ def test_every_link_leads_to_a_file_and_heading():
             if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in anchors(dest)):
                 broken.append(f"{page.relative_to(ROOT)}: {target}")
     assert broken == []
+
+
+def quick_start() -> list[str]:
+    readme = (ROOT / "README.md").read_text()
+    block = re.search(r"## Quick start\n+```bash\n(.*?)```", readme, flags=re.DOTALL)[1]
+    return [line.split("#")[0].strip() for line in block.splitlines()]
+
+
+def test_the_readme_sets_up_a_machine_without_a_gpu_and_ci_runs_its_commands():
+    commands = quick_start()
+    cpu_build = "pip install torch --index-url https://download.pytorch.org/whl/cpu"
+    setup = 'pip install -e ".[dev]"'
+    assert cpu_build in commands and setup in commands
+    assert commands.index(cpu_build) < commands.index(setup)  # first: the set-up then keeps the CPU build
+    ci = [line.split("#")[0].strip() for line in (ROOT / ".ci" / "run").read_text().splitlines()]
+    quiet = [c.replace("pip install --quiet", "pip install") for c in ci]
+    assert setup in quiet and "pytest" in ci  # CI runs the README's set-up and test commands as they are written
