@@ -3,4 +3,4 @@
 from experiments.commands.entry import command
 
 if __name__ == "__main__":
-    command("eval", "experiments.commands.evaluate:main")()
+    command("eval", "experiments.commands.evaluate:main", checked=("ckpt_path", "trainer"))()

@@ -32,7 +32,11 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from experiments.config.errors import ConfigError
+from experiments.config.nearest import config_keys, nearest_keys
+from experiments.config.rules import check_rules
+from experiments.distributed.ranks import this_rank
 from experiments.run.exits import EXIT_BAD_INPUT, EXIT_FAILED, Abort, OutOfSpace, RunFailed, is_out_of_space
+from experiments.run.refused import remove_refused_start
 from experiments.run.signals import Interrupted, stopping_at_once
 
 # conf/ sits at the repository root, beside train.py (the project is installed editable).
@@ -42,16 +46,20 @@ CONFIG_DIR = str(Path(__file__).resolve().parents[3] / "conf")
 COMPOSITION_ERRORS = (ConfigCompositionException, OverrideParseException)
 
 
-def command(config_name: str, task: str, config_dir: str = CONFIG_DIR) -> Callable[[], Any]:
-    """The command that composes `config_name` and runs `task` ("module:function") on it."""
+def command(
+    config_name: str, task: str, config_dir: str = CONFIG_DIR, checked: tuple[str, ...] | None = None
+) -> Callable[[], Any]:
+    """The command that composes `config_name` and runs `task` ("module:function") on it. The settings' own rules
+    (experiments.config.rules) are checked first, before the task's module is imported: on the keys `checked` of
+    the config (None: all of them)."""
     # A partial of a module-level function, not a closure: joblib's and submitit's launchers pickle the job.
-    job = functools.partial(run_task, task)
+    job = functools.partial(run_task, task, checked)
     # Hydra names the job after the task's module (`train`: its log file is train.log).
     job.__module__, job.__name__ = task.split(":")
     job.__qualname__ = job.__name__
     hydra_main = hydra.main(version_base="1.3", config_path=config_dir, config_name=config_name)(job)
     app = functools.partial(print_help, config_name, config_dir, job.__module__.rsplit(".", 1)[-1])
-    return functools.partial(run_command, hydra_main, app)
+    return functools.partial(run_command, hydra_main, app, config=(config_name, config_dir))
 
 
 # Hydra's flags that choose another config than the command's: its own --help then answers.
@@ -78,8 +86,22 @@ def print_help(config_name: str, config_dir: str, name: str) -> None:
     print("Powered by Hydra (https://hydra.cc)\nUse --hydra-help to view Hydra specific help\n\n")
 
 
-def run_task(task: str, cfg: DictConfig) -> Any:
-    return run_job(load_task(task), cfg)
+def run_task(task: str, checked: tuple[str, ...] | None, cfg: DictConfig) -> Any:
+    return run_job(functools.partial(checked_task, task, checked), cfg)
+
+
+def checked_task(task: str, checked: tuple[str, ...] | None, cfg: DictConfig) -> Any:
+    """The task, once the settings' own rules hold: a bad value is refused in well under a second, before the task's
+    module imports torch and Lightning (5 s), and what Hydra wrote for the run is removed (a sweep's job keeps its
+    dir, where its failed row's record goes)."""
+    try:
+        check_rules(cfg if checked is None else OmegaConf.masked_copy(cfg, list(checked)))
+    except ConfigError:
+        hydra_cfg = HydraConfig.get()
+        if hydra_cfg.mode != RunMode.MULTIRUN and this_rank().zero:
+            remove_refused_start(Path(hydra_cfg.runtime.output_dir), f"{hydra_cfg.job.name}.log")
+        raise
+    return load_task(task)(cfg)
 
 
 def load_task(task: str) -> Callable[[DictConfig], Any]:
@@ -95,12 +117,15 @@ def load_task(task: str) -> Callable[[DictConfig], Any]:
     return getattr(importlib.import_module(module), function)
 
 
-def run_command(hydra_main: Callable[[], Any], app_help: Callable[[], None] | None = None) -> Any:
+def run_command(
+    hydra_main: Callable[[], Any], app_help: Callable[[], None] | None = None, config: tuple[str, str] | None = None
+) -> Any:
     """Run a `@hydra.main` function as a command: Hydra's own composition errors become one line and exit 2.
 
     Hydra composes the config inside its `run_and_report`, which prints the error over several lines (a
     traceback for some) and exits 1 before the task runs. Its documented switch HYDRA_FULL_ERROR=1 makes
-    it raise instead, so the error reaches this function; a user who set it keeps Hydra's full report.
+    it raise instead, so the error reaches this function; a user who set it keeps Hydra's full report. `config`
+    (the config's name and dir) names the nearest keys to a key the config does not have.
     Signals before the run installs its own handling (while Hydra composes) end the command at once with
     128 + the signal's number: there is nothing to save yet.
     """
@@ -120,7 +145,7 @@ def run_command(hydra_main: Callable[[], Any], app_help: Callable[[], None] | No
         print(f"error: {abort.error}", file=sys.stderr)
         sys.exit(abort.exit_code)
     except Exception as err:
-        error = user_error(err)
+        error = user_error(err, config=config)
         if is_out_of_space(err) and not _multirun():  # Hydra's own files (.hydra/, the log), before the task
             print(f"error: {_out_of_space(err)}", file=sys.stderr)
             sys.exit(EXIT_FAILED)
@@ -163,10 +188,13 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
         sys.exit(EXIT_BAD_INPUT if isinstance(error, ConfigError) else EXIT_FAILED)
 
 
-def user_error(err: BaseException, cfg: DictConfig | None = None) -> ConfigError | None:
+def user_error(
+    err: BaseException, cfg: DictConfig | None = None, config: tuple[str, str] | None = None
+) -> ConfigError | None:
     """The user error behind `err`, as a one-line ConfigError; None when `err` is not one (a bug, a crash).
 
-    `cfg`, the composed config, gives the value of a setting that a constructor refused."""
+    `cfg`, the composed config, gives the value of a setting that a constructor refused; `config`, the config's name
+    and dir, the keys nearest to one that the config does not have."""
     if isinstance(err, ConfigError):
         return ConfigError(" ".join(str(err).split()))
     if isinstance(err, InstantiationException):
@@ -179,7 +207,7 @@ def user_error(err: BaseException, cfg: DictConfig | None = None) -> ConfigError
             "+key=value to add a key, ~key to delete one (https://hydra.cc/docs/advanced/override_grammar/basic/)"
         )
     if isinstance(err, ConfigCompositionException) and isinstance(err.__cause__, OmegaConfBaseException):
-        return _unknown_key(err.__cause__, str(err))
+        return _unknown_key(err.__cause__, config)
     if isinstance(err, OmegaConfBaseException):  # e.g. an interpolation to a key that does not exist
         return ConfigError(
             f"{err.full_key}: {str(err).splitlines()[0]}; allowed: a value, or ${{key}} of a key that exists"
@@ -194,16 +222,38 @@ def _missing_option(err: MissingConfigException) -> ConfigError:
     return ConfigError(f"{group}={option} is not an option of {group}; allowed: {', '.join(err.options)}")
 
 
-def _unknown_key(cause: OmegaConfBaseException, message: str) -> ConfigError:
+def _unknown_key(cause: OmegaConfBaseException, config: tuple[str, str] | None) -> ConfigError:
     setting = cause.full_key
-    value = next((o.split("=", 1)[1] for o in _overrides() if o.split("=", 1)[0] == setting), "...")
+    value = next((o.split("=", 1)[1] for o in _overrides() if o.split("=", 1)[0].lstrip("+~") == setting), "...")
     parent = cause.parent_node
     keys = [k for k in parent if not str(k).startswith("_")] if parent is not None else []
     where = setting.rpartition(".")[0] or "the config"
     allowed = f"a key of {where} ({', '.join(map(str, keys))})" if keys else "a key the config has"
+    near = nearest_keys(setting, config_keys(_composed(*config))) if config else []
+    if near:  # a typo: the key it was meant to be, not the advice to add the typo
+        return ConfigError(
+            f"{setting}={value}: {where} has no key {cause.key}; did you mean {' or '.join(near)}?; allowed: {allowed}"
+        )
     return ConfigError(
         f"{setting}={value}: {where} has no key {cause.key}; allowed: {allowed}, or +{setting}={value} to add it"
     )
+
+
+def _composed(config_name: str, config_dir: str) -> DictConfig | None:
+    """The config with the groups that the command line chose, and none of its other overrides (one of them is the
+    key that is not there); None when even that does not compose."""
+    from hydra import compose, initialize_config_dir
+    from hydra.core.global_hydra import GlobalHydra
+
+    groups = [o for o in _overrides() if "." not in o.split("=")[0] and "," not in o and not o.startswith(("+", "~"))]
+    for overrides in (groups, []):
+        GlobalHydra.instance().clear()  # the failed composition's
+        try:
+            with initialize_config_dir(config_dir=config_dir, version_base="1.3"):
+                return compose(config_name, overrides=overrides)
+        except Exception:  # the groups are refused too: Hydra names that error when the key is fixed
+            continue
+    return None
 
 
 def _constructor_error(err: InstantiationException, cfg: DictConfig | None) -> ConfigError | None:

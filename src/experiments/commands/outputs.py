@@ -13,6 +13,7 @@ from experiments.config.errors import ConfigError
 from experiments.data.loader import BatchLoader, EpochShuffle
 from experiments.run.files import write_atomic
 from experiments.run.layout import RunPaths
+from experiments.run.refused import remove_empty_run_dir
 
 
 def scoring_trainer(trainer_cfg: DictConfig) -> L.Trainer:
@@ -43,36 +44,6 @@ def write_hydra_record(run_dir: Path, cfg: DictConfig) -> None:
     hydra_cfg = HydraConfig.get()
     for name, node in [("config", cfg), ("hydra", {"hydra": hydra_cfg}), ("overrides", hydra_cfg.overrides.task)]:
         write_atomic(RunPaths(run_dir).hydra / f"{name}.yaml", OmegaConf.to_yaml(OmegaConf.create(node)))
-
-
-def remove_empty_run_dir(run_dir: Path) -> None:
-    """A refused command leaves nothing: Hydra made the run dir, empty, before the checks ran. Remove it, and
-    the parents it made for it (empty too), up to the working directory. Never a dir with anything in it."""
-    run_dir, cwd = run_dir.resolve(), Path.cwd().resolve()
-    for path in [run_dir, *run_dir.parents]:
-        if path != run_dir and cwd not in path.parents:
-            break
-        try:
-            path.rmdir()
-        except OSError:  # not empty (or not there): stop
-            break
-
-
-def remove_refused_start(run_dir: Path, log_name: str) -> None:
-    """A train.py start that failed before it recorded a run leaves nothing: Hydra wrote its `.hydra/` and its
-    log file before the task ran (the log holds at most Lightning's start-up lines; the error went to stderr),
-    and the lock made its file (experiments.run.lock). They are removed, and the dir with them when nothing
-    else is in it; a dir that holds anything else keeps it all."""
-    paths = RunPaths(run_dir)
-    ours = {paths.lock, paths.root / log_name, *(paths.hydra / f"{n}.yaml" for n in ("config", "hydra", "overrides"))}
-    found = {p for p in paths.root.rglob("*") if p.is_file()} if paths.root.is_dir() else set()
-    if not found <= ours:
-        return
-    for path in found:
-        path.unlink(missing_ok=True)
-    if paths.hydra.is_dir() and not any(paths.hydra.iterdir()):
-        paths.hydra.rmdir()
-    remove_empty_run_dir(run_dir)
 
 
 def run_into_own_dir(work, cfg: DictConfig) -> None:

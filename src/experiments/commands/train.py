@@ -14,7 +14,6 @@ from hydra.types import RunMode
 from hydra.utils import instantiate
 from omegaconf import DictConfig
 
-from experiments.commands.outputs import remove_refused_start
 from experiments.config.checks import check_config, check_shapes
 from experiments.config.sizes import check_run_memory
 from experiments.distributed import nodes, slurm
@@ -27,6 +26,7 @@ from experiments.run.exits import OutOfSpace, full_file, is_out_of_space, out_of
 from experiments.run.files import AtomicCheckpointIO, remove_stray_temps
 from experiments.run.layout import RunPaths
 from experiments.run.metrics import final_figures, record, run_record, write_metrics
+from experiments.run.refused import remove_refused_start
 from experiments.run.signals import Interrupted
 from experiments.run.summary import EpochLines, print_summary, quiet_lightning
 from experiments.sweeps.record import swept_overrides

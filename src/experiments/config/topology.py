@@ -3,23 +3,11 @@
 
 import torch
 from hydra.utils import get_class
-from omegaconf import DictConfig, ListConfig
+from omegaconf import DictConfig
 
-from experiments import internals
+from experiments.config.rules import parse_devices  # light: the rules check trainer.devices before torch loads
 from experiments.distributed.dp import DataParallelStrategy
 from experiments.distributed.single import SingleDevice
-
-
-def parse_devices(value) -> str | int | list:
-    """`trainer.devices` as Lightning reads it: "auto", an int (-1: every device) or a list of device indices.
-
-    Strings such as "2", "-1" and "0,1" go through Lightning's own parser; anything else raises ValueError.
-    """
-    if isinstance(value, ListConfig):
-        return list(value)
-    if isinstance(value, str) and value != "auto":
-        return internals.parse_device_string(value)
-    return value
 
 
 def strategy_class(strategy) -> type | None:

@@ -30,7 +30,7 @@ def import_torchmetrics_without_matplotlib() -> None:
     avoids it. That cache is read once, while torchmetrics is imported: a check that says no to matplotlib
     for that moment only. What changes: `Metric.plot()` asks for matplotlib to be installed; matplotlib itself
     still imports (experiments.sweeps.report). It takes effect when this module is the process's first import of
-    Lightning or torchmetrics: every command's (experiments.sweeps.record, experiments.commands.entry.load_task).
+    Lightning or torchmetrics: every command's (experiments.commands.entry.load_task).
     """
     if "torchmetrics" in sys.modules:
         return  # imported already, with its plots

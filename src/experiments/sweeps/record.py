@@ -23,11 +23,18 @@ from hydra.experimental.callback import Callback
 from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from experiments import internals
 from experiments.run.exits import EXIT_FAILED, Abort, OutOfSpace, is_out_of_space
-from experiments.run.files import write_atomic
 from experiments.run.layout import RunPaths, SweepPaths
 from experiments.run.lock import RunDirBusy
+
+
+def write_atomic(path: Path, text: str) -> None:
+    # Hydra builds this callback as a command starts, also for a single run: torch (run.files) loads only when a
+    # record is written, so that a bad value is refused before the heavy imports (experiments.commands.entry).
+    from experiments.run.files import write_atomic as write
+
+    write(path, text)
+
 
 log = logging.getLogger(__name__)
 
@@ -186,6 +193,8 @@ class SweepRecord(Callback):
         job_record = RunPaths(config.hydra.runtime.output_dir).job_record
         record = {"num": config.hydra.job.num, "overrides": list(job_return.overrides or [])}
         if job_return.status == JobStatus.FAILED:
+            from experiments import internals  # Lightning: loaded by then, the job ran
+
             err = internals.job_error(job_return)
             if isinstance(err, RunDirBusy) or isinstance(err.__cause__, RunDirBusy):
                 # The dir is another run's (experiments.run.lock): its record is that run's to write.
