@@ -85,6 +85,7 @@ def test_a_completed_run_started_again_does_nothing_and_says_so(tmp_path):
     again = cli(*args)
     assert again.returncode == 0, again.stderr[-2000:]
     assert f"nothing to do: {run_dir} holds this config's completed run" in again.stdout
+    assert f"ckpt_path={run_dir / 'checkpoints' / 'last.ckpt'} with a larger trainer.max_epochs" in again.stdout
     assert snapshot(run_dir) == before  # Hydra's rewritten .hydra/ files included
 
     # Another config in the same dir: one line, exit 2, and still nothing changed. Then a setting that cannot
@@ -147,3 +148,20 @@ def test_a_sweep_stopped_in_its_second_job_and_run_again_completes_every_job(tmp
     rows = list(csv.DictReader((sweep / "results.csv").open()))
     assert [(row["job"], row["status"]) for row in rows] == [("0", "completed"), ("1", "completed"), ("2", "completed")]
     assert "Restoring states from the checkpoint" in again.stderr + again.stdout  # job 1 resumed, not restarted
+
+
+@pytest.mark.slow
+def test_a_finished_run_resumed_under_the_same_budget_is_refused_and_writes_nothing(tmp_path):
+    runs = tmp_path / "outputs" / "runs"
+    assert cli("trainer.max_epochs=1", "logger=none", f"hydra.run.dir={runs / 'first'}").returncode == 0
+    again = cli("trainer.max_epochs=1", "logger=none", "ckpt_path=last", f"hydra.run.dir={runs / 'second'}")
+    [line] = [line for line in again.stderr.splitlines() if line.startswith("error:")]
+    assert again.returncode == 2 and line.startswith(f"error: ckpt_path={runs / 'first' / 'checkpoints' / 'last.ckpt'}")
+    assert "trainer.max_epochs=1 is done, nothing is left to train" in line and "trainer.max_epochs=2" in line, line
+    assert not (runs / "second").exists()  # no run dir without a checkpoint
+    # The advice works: a larger budget trains on from it, one epoch more.
+    on = cli("trainer.max_epochs=2", "logger=none", "ckpt_path=last", f"hydra.run.dir={runs / 'second'}")
+    assert on.returncode == 0, on.stderr[-2000:]
+    first, second = (json.loads((runs / d / "metrics.json").read_text()) for d in ("first", "second"))
+    assert second["global_step"] == 2 * first["global_step"]
+    assert (runs / "second" / "checkpoints" / "last.ckpt").is_file()

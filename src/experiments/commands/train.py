@@ -32,7 +32,7 @@ from experiments.run.summary import EpochLines, print_summary, quiet_lightning
 from experiments.sweeps.record import swept_overrides
 from experiments.training import batch_fit
 from experiments.training.callbacks import configured_callbacks, early_stop_record
-from experiments.training.checkpoint import check_fits, load_checkpoint, resolve_checkpoint
+from experiments.training.checkpoint import check_fits, check_trains_on, load_checkpoint, resolve_checkpoint
 from experiments.training.dashboard import Dashboard, run_name
 from experiments.training.interruption import Interruption
 from experiments.training.last_checkpoint import LastCheckpoint
@@ -67,7 +67,10 @@ def _train(cfg: DictConfig, run_dir: Path, writer: bool) -> dict:
         remove_stray_temps(run_dir)
     recipe = TrainRecipe(cfg, run_dir)
     if recipe.run.state is state.State.COMPLETED:
-        print(f"nothing to do: {run_dir} holds this config's completed run (its metrics.json)")
+        print(
+            f"nothing to do: {run_dir} holds this config's completed run (its metrics.json); to train on from it, in "
+            f"a new run dir: ckpt_path={recipe.paths.last_checkpoint} with a larger trainer.max_epochs"
+        )
         return recipe.run.metrics
     try:
         with recipe.interruption.handling():
@@ -124,6 +127,8 @@ class TrainRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.resumed = load_checkpoint(self.ckpt_path) if self.ckpt_path else None  # eval's and predict's checks
+        if self.resumed and not self.run.checkpoint:  # ckpt_path: another run's, maybe finished at this budget
+            check_trains_on(self.resumed, cfg.trainer.max_epochs, cfg.trainer.max_steps)
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         self.perf = PerfMonitor(cfg.data.batch_size, started_at=self.started, saver=self.last_checkpoint)
         self.target = TimeToTarget(self.perf, **cfg.target)

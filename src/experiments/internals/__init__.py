@@ -30,7 +30,7 @@ def import_torchmetrics_without_matplotlib() -> None:
     avoids it. That cache is read once, while torchmetrics is imported: a check that says no to matplotlib
     for that moment only. What changes: `Metric.plot()` asks for matplotlib to be installed; matplotlib itself
     still imports (experiments.sweeps.report). It takes effect when this module is the process's first import of
-    Lightning or torchmetrics: every command's (experiments.commands.entry.load_task).
+    Lightning or torchmetrics: every command's (experiments.sweeps.record, experiments.commands.entry.load_task).
     """
     if "torchmetrics" in sys.modules:
         return  # imported already, with its plots
@@ -248,3 +248,10 @@ def summary_file_writer(writer):
 # Documented in "Extending PyTorch" (a dispatch mode sees every op, autograd's backward included), but it lives in
 # the private torch.utils._python_dispatch: training.allocations counts CPU allocations with it.
 TorchDispatchMode = _python_dispatch.TorchDispatchMode
+
+
+def epochs_trained(checkpoint: dict) -> int:
+    """The epochs a Lightning checkpoint's run has trained, as its fit loop counts them when it decides whether
+    `max_epochs` is reached (`epoch_progress.current.processed`; the checkpoint's `epoch` lags by one when it was saved
+    at an epoch's end). Why private: the layout of the loops' state inside a checkpoint."""
+    return int(checkpoint["loops"]["fit_loop"]["epoch_progress"]["current"]["processed"])

@@ -141,6 +141,16 @@ def _torchmetrics_plots_need_matplotlib_cache() -> bool:
     )
 
 
+def _fit_loop_stops_on_processed_epochs() -> bool:
+    from lightning.pytorch.trainer.connectors.checkpoint_connector import _CheckpointConnector
+
+    return (
+        "epoch_progress.current.processed, self.max_epochs" in inspect.getsource(_FitLoop.done.fget)
+        and '"fit_loop": ' in inspect.getsource(_CheckpointConnector._get_loops_state_dict)
+        and "self.epoch_progress = _Progress()" in inspect.getsource(_FitLoop.__init__)  # a loop's state_dict has it
+    )
+
+
 def _job_return_keeps_error() -> bool:
     return "_return_value" in {f.name for f in dataclasses.fields(JobReturn)}
 
@@ -179,4 +189,5 @@ TOUCHES: list[tuple[str, Callable[[], bool]]] = [
     ("torchmetrics _MATPLOTLIB_AVAILABLE", _torchmetrics_plots_need_matplotlib_cache),
     ("hydra InstantiationException's text: target and full_key", _names_node_and_target),
     ("optuna FrozenTrial._trial_id", _optuna_trial_of_frozen),
+    ("checkpoint loops.fit_loop.epoch_progress.current.processed (epochs_trained)", _fit_loop_stops_on_processed_epochs),
 ]

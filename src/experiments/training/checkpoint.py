@@ -14,6 +14,7 @@ import torch
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from experiments import internals
 from experiments.config.errors import ConfigError
 from experiments.run.layout import RunPaths, run_of_checkpoint
 from experiments.training.module import Regressor
@@ -36,6 +37,7 @@ class Checkpoint:
     setting: str = "ckpt_path"
     batch_fit: dict | None = None  # batch.effective's fit (experiments.training.batch_fit.Fit's fields); None when off
     provenance: dict | None = None  # what produced it (experiments.run.provenance); None in older checkpoints
+    epochs: int = 0  # the epochs its run has trained (a resume goes on from there)
 
     @property
     def in_features(self) -> int:
@@ -119,6 +121,7 @@ def load_checkpoint(path: str | Path, setting: str = "ckpt_path") -> Checkpoint:
         setting,
         record.get("batch_fit"),
         record.get("provenance"),
+        internals.epochs_trained(raw),
     )
 
 
@@ -134,6 +137,22 @@ def check_fits(checkpoint: Checkpoint, num_features: int, out_features: int | No
             f"the model gives {checkpoint.out_features} outputs and {out_features} are wanted here "
             f"(model.out_features, or the data's target columns); allowed: {checkpoint.out_features}"
         )
+
+
+def check_trains_on(checkpoint: Checkpoint, max_epochs: int | None, max_steps: int) -> None:
+    """A resume from `checkpoint` must have something left to train under the budget given: Lightning would
+    restore a finished run, train nothing and end, leaving a run dir with no checkpoint."""
+    steps, epochs = checkpoint.global_step, checkpoint.epochs
+    if max_steps != -1 and steps >= max_steps:
+        budget, more = f"trainer.max_steps={max_steps}", f"trainer.max_steps={2 * steps}"
+    elif max_epochs is not None and max_epochs != -1 and epochs >= max_epochs:
+        budget, more = f"trainer.max_epochs={max_epochs}", f"trainer.max_epochs={max(2 * epochs, epochs + 1)}"
+    else:
+        return
+    raise checkpoint.error(
+        f"its run has trained {epochs} epochs ({steps} steps): {budget} is done, nothing is left to train; "
+        f"allowed: a larger budget, which trains on from it (e.g. {more} {checkpoint.setting}={checkpoint.path})"
+    )
 
 
 def resolve_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:
