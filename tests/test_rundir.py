@@ -111,7 +111,7 @@ def test_bad_input_in_a_run_dir_leaves_nothing_behind(tmp_path):
     (tmp_path / "kept").mkdir()
     (tmp_path / "kept" / "notes.txt").write_text("mine\n")
     assert cli("optimizer.lr=-1", f"hydra.run.dir={tmp_path / 'kept'}").returncode == 2
-    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [".hydra", ".lock", "notes.txt", "train.log"]
+    assert sorted(p.name for p in (tmp_path / "kept").iterdir()) == [".hydra", ".lock", "notes.txt"]
 
 
 def test_a_dir_without_a_recorded_config_is_refused(tmp_path):
@@ -165,3 +165,21 @@ def test_a_finished_run_resumed_under_the_same_budget_is_refused_and_writes_noth
     first, second = (json.loads((runs / d / "metrics.json").read_text()) for d in ("first", "second"))
     assert second["global_step"] == 2 * first["global_step"]
     assert (runs / "second" / "checkpoints" / "last.ckpt").is_file()
+
+
+@pytest.mark.slow
+def test_train_log_holds_the_runs_own_lines(tmp_path):
+    # stdout is not a terminal here: the epoch lines are printed, and each printed line of the run is in train.log.
+    run_dir = tmp_path / "run"
+    done = cli("trainer.enable_progress_bar=true", f"hydra.run.dir={run_dir}")
+    assert done.returncode == 0, done.stderr[-2000:]
+    logged = [line.split("  ", 1)[1] for line in (run_dir / "train.log").read_text().splitlines()]  # after the time
+    ours = ("epoch ", "status ", "val_mse ", "run dir ")
+    printed = [line for line in done.stdout.splitlines() if line.startswith(ours)]
+    assert len(printed) == 2 + 3 and all(line in logged for line in printed), (printed, logged)
+    # A run that fails: its error line too, last.
+    failed = cli("optimizer.lr=10000", "trainer.max_epochs=10", f"hydra.run.dir={tmp_path / 'failed'}")
+    assert failed.returncode == 1
+    assert (tmp_path / "failed" / "train.log").read_text().splitlines()[-1].split("  ", 1)[1].startswith(
+        "error: training diverged"
+    )

@@ -36,6 +36,7 @@ from experiments.config.nearest import config_keys, nearest_keys
 from experiments.config.rules import check_rules
 from experiments.distributed.ranks import this_rank
 from experiments.run.exits import EXIT_BAD_INPUT, EXIT_FAILED, Abort, OutOfSpace, RunFailed, is_out_of_space
+from experiments.run.log import LOG, close_log, say
 from experiments.run.refused import remove_refused_start
 from experiments.run.signals import Interrupted, stopping_at_once
 
@@ -171,21 +172,25 @@ def run_job(task: Callable[[DictConfig], Any], cfg: DictConfig) -> Any:
             # The exit passes Hydra's callbacks by (SweepRecord): the job records itself.
             from experiments.sweeps.record import interrupted_line, record_interrupted_job  # imported when needed
 
-            print(interrupted_line(stop, HydraConfig.get()), file=sys.stderr)
+            say(interrupted_line(stop, HydraConfig.get()), file=sys.stderr)  # into the run's train.log too
             record_interrupted_job(HydraConfig.get())
         else:
-            print(stop, file=sys.stderr)
+            say(str(stop), file=sys.stderr)  # into the run's train.log too, when the run opened it
         sys.exit(stop.exit_code)
     except Exception as err:
         error = user_error(err, cfg) or (err if isinstance(err, RunFailed) else None)
         if error is None and is_out_of_space(err):
             error = _out_of_space(err)
         if error is None:
+            LOG.exception("the run crashed")  # its traceback, in the run's train.log too
             raise
         if multirun:
+            LOG.error(f"error: {error}")  # the job's train.log (Hydra prints the sweep's failures)
             raise error from err  # Hydra records the job as failed and runs the others
-        print(f"error: {error}", file=sys.stderr)
+        say(f"error: {error}", file=sys.stderr)
         sys.exit(EXIT_BAD_INPUT if isinstance(error, ConfigError) else EXIT_FAILED)
+    finally:
+        close_log()
 
 
 def user_error(

@@ -25,10 +25,11 @@ from experiments.run import lock, provenance, state
 from experiments.run.exits import OutOfSpace, full_file, is_out_of_space, out_of_memory, quiet_full_disk_in_threads
 from experiments.run.files import AtomicCheckpointIO, remove_stray_temps
 from experiments.run.layout import RunPaths
+from experiments.run.log import open_log
 from experiments.run.metrics import final_figures, record, run_record, write_metrics
 from experiments.run.refused import remove_refused_start
 from experiments.run.signals import Interrupted
-from experiments.run.summary import EpochLines, print_summary, quiet_lightning
+from experiments.run.summary import EpochLines, EpochLog, print_summary, quiet_lightning
 from experiments.sweeps.record import swept_overrides
 from experiments.training import batch_fit
 from experiments.training.callbacks import configured_callbacks, early_stop_record
@@ -157,6 +158,7 @@ class TrainRecipe:
         self.origin_entry = None
         if self.rank.zero:
             state.claim(self.run, cfg)
+            open_log(self.paths.log)  # the run's own lines, from here to its error (experiments.run.log)
             self._record_origin()
 
     def _record_origin(self) -> None:
@@ -198,7 +200,8 @@ class TrainRecipe:
         if cfg.trainer.enable_progress_bar:
             # A terminal gets the bar; a log file (SLURM, nohup, CI) a line per epoch, never a redraw.
             bar = LogStepProgressBar(refresh_rate=cfg.trainer.log_every_n_steps)
-            callbacks.append(bar if sys.stdout.isatty() else EpochLines())
+            # The epoch lines go to train.log either way (a terminal has them there only).
+            callbacks += [bar, EpochLog()] if sys.stdout.isatty() else [EpochLines()]
         return instantiate(
             cfg.trainer,
             callbacks=callbacks,

@@ -27,6 +27,10 @@ class RunPaths:
         return self.root / "metrics.json"
 
     @property
+    def log(self) -> Path:  # the run's own lines: epochs, summary, error (experiments.run.log)
+        return self.root / "train.log"
+
+    @property
     def run_config(self) -> Path:  # the config the run trains with (experiments.run.state)
         return self.root / "run.yaml"
 

@@ -8,7 +8,9 @@ import warnings
 from pathlib import Path
 
 import lightning as L
-from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.callbacks import Callback, ProgressBar
+
+from experiments.run.log import LOG, say
 
 from experiments import internals
 
@@ -86,29 +88,22 @@ def summary_lines(metrics: dict, run_dir: Path) -> list[str]:
 
 
 def print_summary(metrics: dict, run_dir: Path) -> None:
-    """The last lines a run prints (rank 0 only: the caller checks)."""
-    print("\n".join(["", *summary_lines(metrics, run_dir)]), flush=True)
+    """The last lines a run prints, into its train.log too (rank 0 only: the caller checks)."""
+    say("\n".join(["", *summary_lines(metrics, run_dir)]))
 
 
-class EpochLines(ProgressBar):
-    """The progress of a run whose stdout is not a terminal (a log file: SLURM, nohup, CI): one line as each
-    training epoch ends, with the loss, the validation MSE against the optimum and the speed; never a redraw.
-    It reads the clock as an epoch starts and ends and around validation, never on a training step."""
+class EpochLog(Callback):
+    """One line as each training epoch ends, with the loss, the validation MSE against the optimum and the speed,
+    into the run's train.log (experiments.run.log), beside a terminal's progress bar. It reads the clock as an
+    epoch starts and ends and around validation, never on a training step."""
 
     def __init__(self):
         super().__init__()
         self.enabled = True
         self.epoch_start = self.validation_start = None
 
-    def disable(self) -> None:
-        self.enabled = False
-
-    def enable(self) -> None:
-        self.enabled = True
-
-    @property
-    def is_enabled(self) -> bool:
-        return self.enabled
+    def emit(self, line: str) -> None:
+        LOG.info(line)
 
     def on_train_epoch_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         self.epoch_start, self.paused, self.first_batch = time.perf_counter(), 0.0, _micro_steps(trainer)
@@ -125,7 +120,25 @@ class EpochLines(ProgressBar):
             return
         seconds = time.perf_counter() - self.epoch_start - self.paused
         samples = (_micro_steps(trainer) - self.first_batch) * trainer.datamodule.batch_size
-        print("  ".join(epoch_line(trainer, samples / max(seconds, 1e-9))), flush=True)
+        self.emit("  ".join(epoch_line(trainer, samples / max(seconds, 1e-9))))
+
+
+class EpochLines(EpochLog, ProgressBar):
+    """The progress of a run whose stdout is not a terminal (a log file: SLURM, nohup, CI): the epoch lines, printed
+    and in train.log; never a redraw. A ProgressBar, so that Lightning adds no bar of its own."""
+
+    def emit(self, line: str) -> None:
+        say(line)
+
+    def disable(self) -> None:
+        self.enabled = False
+
+    def enable(self) -> None:
+        self.enabled = True
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.enabled
 
 
 def epoch_line(trainer: L.Trainer, samples_per_sec: float) -> list[str]:
