@@ -22,6 +22,7 @@ from experiments.commands.train import train
 from experiments.config.checks import check_strategy
 from experiments.config.errors import ConfigError
 from experiments.data.loader import BatchLoader, EpochShuffle
+from experiments.distributed.cpu_cost import cpu_processes_note
 from experiments.distributed.launcher import ranks_join_this_job
 from experiments.distributed.ranks import silent_rank_overrides
 
@@ -398,3 +399,27 @@ def test_ddp_ranks_agree_once_a_log_step_and_not_at_an_epoch_end_or_its_save(tmp
         start, end = (json.loads(Path(f"{out}.rank{rank}.epoch{e}.json").read_text()) for e in (1, 3))
         two_epochs = {name: end[name] - start.get(name, 0) for name in end if end[name] != start.get(name, 0)}
         assert two_epochs == {"all_reduce": 1}, f"rank {rank}"
+
+
+def test_ddp_on_a_cpu_says_once_what_it_costs(runs):
+    # Rank 0 says it, into the run's train.log too; the run then trains as asked.
+    notes = [line for line in (runs["ddp_256"] / "train.log").read_text().splitlines() if "note: " in line]
+    assert len(notes) == 1 and "trainer.devices=2 runs DDP over CPU processes" in notes[0]
+    assert "docs/strategies.md#ddp-on-a-cpu" in notes[0]
+    assert json.loads((runs["ddp_256"] / "metrics.json").read_text())["status"] == "completed"
+
+
+@pytest.mark.parametrize(
+    ("processes", "cores", "batch", "features", "says"),
+    [
+        (4, 2, 256, 100, "starts 4 CPU processes on 2 cores"),  # more processes than cores: whatever the size
+        (4, 2, 65536, 4096, "starts 4 CPU processes on 2 cores"),
+        (2, 2, 256, 100, "took 1.6x to 6.1x as long a step"),  # the default problem: DDP on a CPU is slower
+        (2, 2, 4096, 1000, "took 1.6x to 6.1x as long a step"),  # the largest size measured
+        (2, 2, 8192, 1000, None),  # beyond what the lab measured: no claim
+        (1, 2, 256, 100, None),
+    ],
+)
+def test_what_cpu_processes_cost_follows_the_labs_measurements(processes, cores, batch, features, says):
+    note = cpu_processes_note(processes, 1, batch, features, cores)
+    assert note is None if says is None else (says in note and note.startswith("note: trainer.devices="))

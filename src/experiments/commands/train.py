@@ -17,6 +17,7 @@ from omegaconf import DictConfig
 from experiments.config.checks import check_config, check_shapes
 from experiments.config.sizes import check_run_memory
 from experiments.distributed import nodes, slurm
+from experiments.distributed.cpu_cost import say_what_cpu_processes_cost
 from experiments.distributed.launcher import ranks_join_this_job
 from experiments.distributed.lost_rank import LostRank
 from experiments.distributed.nodes import RankHosts
@@ -159,6 +160,7 @@ class TrainRecipe:
         if self.rank.zero:
             state.claim(self.run, cfg)
             open_log(self.paths.log)  # the run's own lines, from here to its error (experiments.run.log)
+            say_what_cpu_processes_cost(self.trainer, cfg.data.batch_size, self.data.num_features)
             self._record_origin()
 
     def _record_origin(self) -> None:
