@@ -4,6 +4,7 @@ signals at every moment of a run, and timings measured against the test's own cl
 import csv
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -141,19 +142,28 @@ finally:
 
 
 @pytest.mark.parametrize("script", ["train.py", "eval.py", "predict.py"])
-def test_help_lists_the_menu_and_the_config_without_loading_torch(script):
+def test_help_is_a_page_with_examples_the_menu_and_the_settings_without_loading_torch(script):
     done = subprocess.run(
         [sys.executable, "-c", HELP_PROBE, script, "data.batch_size=7"], cwd=ROOT, capture_output=True, text=True
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "heavy: []" in done.stderr  # what made --help take seconds: it answers before any of them loads
-    conf = ROOT / "conf"  # every folder of options, Hydra's own too (hydra/sweeper/optuna_sampler)
-    groups = {p.parent.relative_to(conf).as_posix() for p in conf.rglob("*.yaml") if p.parent != conf}
-    for group in groups:
-        options = sorted(p.stem for p in (ROOT / "conf" / group).glob("*.yaml"))
-        assert f"\n{group}: {', '.join(options)}\n" in done.stdout
-    assert "  batch_size: 7\n" in done.stdout  # the config the overrides compose
-    assert "Use --hydra-help to view Hydra specific help" in done.stdout
+    page = done.stdout
+    assert page.startswith(f"python {script}: ") and "\nExamples:\n" in page
+    assert f"python {script} --cfg job" in page and "docs/" in page  # the whole config, and where the docs are
+    assert re.search(r" batch_size=7\b", page)  # the settings, as the overrides compose them
+    if script == "train.py":
+        examples = page.split("Examples:")[1].split("\n\n")[0]
+        assert examples.count("\n  python train.py") >= 5 and " -m " in examples and "hparams_search=optuna" in examples
+        conf = ROOT / "conf"
+        for group in ("data", "optimizer", "scheduler", "callbacks", "logger", "strategy", "debug"):
+            options = ", ".join(sorted(p.stem for p in (conf / group).glob("*.yaml")))
+            assert f"\n  {group}: {options}" in page.replace("*", ""), group
+        # The study's experiments apart from the user's.
+        [experiments] = [line for line in page.splitlines() if line.startswith("  experiment: ")]
+        assert "seed_large" in experiments and "study_" not in experiments and "the study's own" in page
+        # What the checkpoint settings show is what is saved: last.ckpt, and no best copies by default.
+        assert "save_last" not in page and "checkpoints/last.ckpt" in page and "best_checkpoints.save_top_k=0" in page
 
 
 def test_help_with_a_bad_override_is_one_error_line():

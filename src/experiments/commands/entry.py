@@ -31,6 +31,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from experiments.commands.help import print_help
 from experiments.config.errors import ConfigError
 from experiments.config.nearest import config_keys, nearest_keys
 from experiments.config.rules import check_rules
@@ -59,32 +60,12 @@ def command(
     job.__module__, job.__name__ = task.split(":")
     job.__qualname__ = job.__name__
     hydra_main = hydra.main(version_base="1.3", config_path=config_dir, config_name=config_name)(job)
-    app = functools.partial(print_help, config_name, config_dir, job.__module__.rsplit(".", 1)[-1])
+    app = functools.partial(print_help, config_name, config_dir, job.__module__.rsplit(".", 1)[-1])  # --help
     return functools.partial(run_command, hydra_main, app, config=(config_name, config_dir))
 
 
 # Hydra's flags that choose another config than the command's: its own --help then answers.
 OTHER_CONFIG = ("--config-name", "-cn", "--config-path", "-cp", "--config-dir", "-cd")
-
-
-def print_help(config_name: str, config_dir: str, name: str) -> None:
-    """`--help`: what Hydra's own prints (the config groups and their options, the config the overrides compose),
-    in a fraction of its time. Hydra lists the groups by loading its config repository again for every group,
-    Hydra's own and its plugins' included: about 1.5 s; here the groups are the folders of `conf/`."""
-    from hydra import compose, initialize_config_dir
-
-    overrides = [a for a in sys.argv[1:] if not a.startswith("-")]
-    with initialize_config_dir(config_dir=config_dir, version_base="1.3", job_name=name):
-        cfg = compose(config_name, overrides=overrides)
-    root = Path(config_dir)
-    groups = sorted({p.parent.relative_to(root).as_posix() for p in root.rglob("*.yaml") if p.parent != root})
-    options = [f"{g}: {', '.join(sorted(p.stem for p in (root / g).glob('*.yaml')))}" for g in groups]
-    print(f"{name} is powered by Hydra.\n")
-    print("== Configuration groups ==\nCompose your configuration from those groups (group=option)\n")
-    print("\n".join(options) + "\n\n")
-    print("== Config ==\nOverride anything in the config (foo.bar=value)\n")
-    print(OmegaConf.to_yaml(cfg))
-    print("Powered by Hydra (https://hydra.cc)\nUse --hydra-help to view Hydra specific help\n\n")
 
 
 def run_task(task: str, checked: tuple[str, ...] | None, cfg: DictConfig) -> Any:

@@ -21,7 +21,9 @@ from experiments.config.errors import ConfigError
 from experiments.run.files import write_atomic
 from experiments.run.layout import RunPaths
 
-IGNORED = ("ckpt_path", "trainer.enable_progress_bar", "trainer.enable_model_summary", "checkpoint")
+IGNORED = ("ckpt_path", "trainer.enable_progress_bar", "trainer.enable_model_summary", "checkpoint",
+           "trainer.log_every_n_steps")  # how often it is shown: its windows of steps give the same weights
+# (tests/test_strategies.py); its default went from 50 to 10 in issue 42, and runs before it are the same runs.
 # With batch.effective set, the batch and accumulation that it chose (and run.yaml records) are not the user's.
 FITTED = ("data.batch_size", "trainer.accumulate_grad_batches")
 # Classes that moved (issue 39's layout, 2026-12): a run.yaml written before names them by their old path, and
@@ -50,7 +52,7 @@ class RunDir:
 def identity(cfg: DictConfig) -> dict:
     """What makes two configs the same run: the composed config, resolved, without `IGNORED` (nor `FITTED` when
     batch.effective chooses them)."""
-    tree = _renamed(OmegaConf.to_container(cfg, resolve=True))
+    tree = _reshaped(_renamed(OmegaConf.to_container(cfg, resolve=True)))
     tree.pop("hydra", None)
     fitted = (tree.get("batch") or {}).get("effective") is not None
     for key in IGNORED + (FITTED if fitted else ()):
@@ -60,6 +62,21 @@ def identity(cfg: DictConfig) -> dict:
             node = node.get(parent) if isinstance(node, dict) else None
         if isinstance(node, dict):
             node.pop(leaf, None)
+    return tree
+
+
+def _reshaped(tree: dict) -> dict:
+    """A config composed before `callbacks.model_checkpoint` (Lightning's ModelCheckpoint, `save_last: false`,
+    `save_top_k: 0`: read as "no checkpoints", though last.ckpt is the run's own, `checkpoint.*`) became
+    `callbacks.best_checkpoints` without `save_last` (issue 42, 2026-12), in the new shape: the same callback, built
+    with the same arguments (Lightning's save_last default, None, saves no `last` either)."""
+    callbacks = tree.get("callbacks")
+    if isinstance(callbacks, dict) and isinstance(callbacks.get("model_checkpoint"), dict):
+        callbacks = dict(callbacks)
+        old = dict(callbacks.pop("model_checkpoint"))
+        if old.get("save_last") is False:
+            old.pop("save_last")
+        tree = {**tree, "callbacks": {**callbacks, "best_checkpoints": old}}
     return tree
 
 

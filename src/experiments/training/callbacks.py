@@ -20,7 +20,7 @@ def configured_callbacks(cfg: DictConfig, run_dir: Path) -> list[Callback]:
         if node is None:
             continue
         # The checkpoint's dir is part of the run dir's layout (resume and `ckpt_path=last` look there).
-        runtime = {"dirpath": str(RunPaths(run_dir).checkpoints)} if name == "model_checkpoint" else {}
+        runtime = {"dirpath": str(RunPaths(run_dir).checkpoints)} if name == "best_checkpoints" else {}
         callbacks.append(instantiate(node, **runtime))
     return callbacks
 
