@@ -5,7 +5,7 @@ import subprocess
 
 import matplotlib.image
 import pytest
-from conftest import ROOT, cli, python
+from conftest import ROOT, cli, compose_config, python
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from experiments.sweeps import figures
@@ -103,6 +103,7 @@ def test_plots_show_the_runs_numbers(sweep, tmp_path, monkeypatch):
 
     def save(fig, path):
         plotted[path.name] = [line.get_xydata().tolist() for ax in fig.axes for line in ax.lines]
+        plotted[f"{path.stem}_by_gid"] = [(line.get_gid(), line.get_xydata().tolist()) for line in fig.axes[0].lines]
         panels = [[p for line in ax.lines for p in line.get_xydata().tolist()] for ax in fig.axes]
         plotted[f"{path.stem}_panels"] = panels
         return real_save(fig, path)
@@ -111,13 +112,22 @@ def test_plots_show_the_runs_numbers(sweep, tmp_path, monkeypatch):
     monkeypatch.setattr(figures, "save", save)  # those of with_plot and xy_section
     reports.build_sections(sweep, tmp_path)
     jobs = range(4)
-    logged = []
+    metrics = [json.loads((sweep / str(num) / "metrics.json").read_text()) for num in jobs]
+    # The loss curves against samples seen ((step + 1) x the effective batch: the batches differ), the val/mse
+    # dots on the same axis, and the optimum as a line.
+    logged, validated = [], []
     for num in jobs:
         (run,) = {f.parent for f in (sweep / str(num) / "tensorboard").glob("**/events.out.tfevents.*")}
         events = EventAccumulator(str(run)).Reload()
-        logged.append([[p.step, p.value] for p in events.Scalars("train/loss")])
-    assert sorted(plotted["loss_curves.png"]) == sorted(logged)  # the same floats, read back
-    metrics = [json.loads((sweep / str(num) / "metrics.json").read_text()) for num in jobs]
+        batch = metrics[num]["effective_batch_size"]
+        logged.append([[(p.step + 1) * batch, p.value] for p in events.Scalars("train/loss")])
+        validated.append([[(p.step + 1) * batch, p.value] for p in events.Scalars("val/mse")])
+    lines = plotted["loss_curves_by_gid"]
+    curves = [xy for gid, xy in lines if gid is None and xy]  # the legend's own entries have no points
+    assert sorted(curves) == sorted(logged)  # the same floats, read back
+    assert sorted(xy for gid, xy in lines if gid == "val/mse") == sorted(validated)
+    [optimum] = [xy for gid, xy in lines if gid == "optimum"]
+    assert {y for _, y in optimum} == {metrics[0]["optimal_val_mse"]}  # one data: one optimum
     points = sorted(p for line in plotted["throughput_vs_batch.png"] for p in line)
     assert points == sorted([m["global_batch_size"], m["samples_per_sec"]] for m in metrics)
     # The time-to-target plot: a panel of times and one of optimizer steps, each point a job's metrics.json.
@@ -161,3 +171,16 @@ def test_a_job_that_missed_the_target_is_in_the_table_and_marked_on_the_plot(mis
         lines = dict(panel)
         assert [x for x, _ in lines["cpu x1 single_device"]] == [32]
         assert [x for x, _ in lines["cpu x1 single_device: not reached"]] == [256]
+
+
+@pytest.mark.parametrize("batch", [64, 256, 1024])
+def test_the_default_log_interval_suits_the_readmes_sweep(batch):
+    # README: python train.py -m data.batch_size=64,256,1024 ...: an epoch of each has at least the interval's steps
+    # (else Lightning warns, and the curve has fewer points than epochs); and the first point comes while the loss
+    # still falls: within the first tenth of the default problem's first epoch.
+    cfg = compose_config(f"data.batch_size={batch}", tiny=False)
+    train_samples = cfg.data.num_samples - round(cfg.data.num_samples * cfg.data.val_fraction)
+    steps_per_epoch = train_samples // batch
+    assert cfg.trainer.log_every_n_steps <= steps_per_epoch
+    if batch == 256:
+        assert cfg.trainer.log_every_n_steps <= steps_per_epoch / 10

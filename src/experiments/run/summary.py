@@ -10,9 +10,8 @@ from pathlib import Path
 import lightning as L
 from lightning.pytorch.callbacks import Callback, ProgressBar
 
-from experiments.run.log import LOG, say
-
 from experiments import internals
+from experiments.run.log import LOG, say
 
 # Lightning's rank_zero_info lines that tell the user nothing about this run: advertising tips ("💡 Tip: ...
 # litlogger", "... litmodels") and the TPU line on machines without one. "GPU available: ..., used: ..." stays:

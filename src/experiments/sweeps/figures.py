@@ -211,3 +211,16 @@ def baseline_key(job: Job, keys: list[str]) -> tuple:
     """What a job must share with its baseline: batch, accumulation and every swept non-device setting."""
     m = job.metrics
     return (m["global_batch_size"], m["accumulate_grad_batches"], *(job.settings.get(k) for k in keys))
+
+
+def samples_seen(job: Job, step: int) -> int | None:
+    """Samples trained on by the end of optimizer step `step` (TensorBoard's index, from 0): the x of a loss curve,
+    which compares jobs of different batch sizes and accumulations, as steps do not."""
+    batch = job.metrics.get("effective_batch_size")
+    return None if batch is None else (step + 1) * batch
+
+
+def over_optimum(metrics: dict) -> float | None:
+    """val_mse over the exact least-squares optimum's (1.0: the best a linear model does); None when unknown."""
+    val_mse, optimum = metrics.get("val_mse"), metrics.get("optimal_val_mse")
+    return None if val_mse is None or not optimum else val_mse / optimum

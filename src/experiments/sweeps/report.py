@@ -30,6 +30,8 @@ from experiments.sweeps.figures import (  # noqa: E402
     loss_curves,
     markdown_table,
     median_of_repeats,
+    over_optimum,
+    samples_seen,
     save,
     series_label,
     series_lines,
@@ -53,24 +55,53 @@ def jobs_section(jobs: list[Job]) -> Section:
 def loss_section(jobs: list[Job], out: Path) -> Section:
     section = Section("Training loss per job")
     keys = varying(jobs)
-    curves = {f"{j.num}: {series_label(j, keys)}": loss_curves(j) for j in jobs}
-    curves = {label: points for label, points in curves.items() if points}
+    curves = [(j, loss_curves(j)) for j in jobs if samples_seen(j, 0) is not None]
+    curves = [(job, points) for job, points in curves if points]
     if not curves:
         section.note = "No plot: no job logged `train/loss` to TensorBoard."
         return section
     fig, ax = plt.subplots(figsize=(8, 4.5))
-    for label, points in curves.items():
-        ax.plot([s for s, _ in points], [v for _, v in points], label=label)
-    ax.set(title="Training loss per job", xlabel="optimizer step", ylabel="train/loss (MSE, target units²)")
-    if all(v > 0 for points in curves.values() for _, v in points):
+    for job, points in curves:
+        label = f"{job.num}: {series_label(job, keys)}"
+        (line,) = ax.plot([samples_seen(job, s) for s, _ in points], [v for _, v in points], label=label)
+        val = loss_curves(job, "val/mse")
+        if val:  # each validation, on the same axis: the fit the run is judged by
+            ax.plot([samples_seen(job, s) for s, _ in val], [v for _, v in val], linestyle="none", marker="o",
+                    markersize=3, color=line.get_color(), gid="val/mse")  # fmt: skip
+    for optimum in sorted({j.metrics["optimal_val_mse"] for j, _ in curves if j.metrics.get("optimal_val_mse")}):
+        ax.axhline(optimum, color="black", linestyle="--", linewidth=1, gid="optimum")
+    ax.plot([], [], color="black", linestyle="--", linewidth=1, label="optimum: exact least squares, val MSE")
+    ax.plot([], [], color="gray", linestyle="none", marker="o", markersize=3, label="val/mse at each validation")
+    ax.set(
+        title="Training loss per job: train/loss at each log step (lines), val/mse (dots)",
+        xlabel="samples seen (optimizer steps x effective batch), log scale",
+        ylabel="MSE (target units²), log scale",
+    )
+    ax.set_xscale("log")
+    if all(v > 0 for _, points in curves for _, v in points):
         ax.set_yscale("log")
     ax.legend(fontsize="x-small")
     section.plot = save(fig, out / "loss_curves.png")
-    section.columns = ["job", "steps", "first loss", "last loss"]
+    section.columns = ["job", "log steps", "first: step", "first: train/loss", "last: step", "last: train/loss",
+                       "val_mse / optimum"]  # fmt: skip
     section.rows = [
-        {"job": label, "steps": len(points), "first loss": points[0][1], "last loss": points[-1][1]}
-        for label, points in curves.items()
+        {
+            "job": f"{job.num}: {series_label(job, keys)}",
+            "log steps": len(points),
+            "first: step": points[0][0] + 1,
+            "first: train/loss": points[0][1],
+            "last: step": points[-1][0] + 1,
+            "last: train/loss": points[-1][1],
+            "val_mse / optimum": over_optimum(job.metrics),
+        }
+        for job, points in curves
     ]
+    section.note = (
+        "train/loss is the MSE of the one training batch of each log step (every `trainer.log_every_n_steps` "
+        "optimizer steps), first and last logged; near the optimum a batch's MSE scatters around it, above and "
+        "below. How close a run came is `val_mse / optimum`: its validation MSE over the exact least-squares "
+        "optimum's (1.0 is the best any linear model can do)."
+    )
     return section
 
 
