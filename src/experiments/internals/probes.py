@@ -189,5 +189,5 @@ TOUCHES: list[tuple[str, Callable[[], bool]]] = [
     ("torchmetrics _MATPLOTLIB_AVAILABLE", _torchmetrics_plots_need_matplotlib_cache),
     ("hydra InstantiationException's text: target and full_key", _names_node_and_target),
     ("optuna FrozenTrial._trial_id", _optuna_trial_of_frozen),
-    ("checkpoint loops.fit_loop.epoch_progress.current.processed (epochs_trained)", _fit_loop_stops_on_processed_epochs),
+    ("checkpoint loops.fit_loop.epoch_progress.current.processed", _fit_loop_stops_on_processed_epochs),
 ]
