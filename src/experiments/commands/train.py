@@ -129,8 +129,6 @@ class TrainRecipe:
     def setup(self) -> None:
         cfg = self.cfg
         self.resumed = load_checkpoint(self.ckpt_path) if self.ckpt_path else None  # eval's and predict's checks
-        if self.resumed and not self.run.checkpoint:  # ckpt_path: another run's, maybe finished at this budget
-            check_trains_on(self.resumed, cfg.trainer.max_epochs, cfg.trainer.max_steps)
         L.seed_everything(cfg.seed, workers=True, verbose=False)
         self.perf = PerfMonitor(cfg.data.batch_size, started_at=self.started, saver=self.last_checkpoint)
         self.target = TimeToTarget(self.perf, **cfg.target)
@@ -148,6 +146,8 @@ class TrainRecipe:
         )  # fmt: skip
         if self.resumed:
             check_fits(self.resumed, self.data.num_features, cfg.model.out_features)
+            if not self.run.checkpoint:  # ckpt_path: another run's, maybe finished at this budget
+                check_trains_on(self.resumed, cfg.trainer.max_epochs, cfg.trainer.max_steps)
         data = self.data  # the model, and on a GPU a batch and device-resident data, where they go
         check_run_memory(self.cfg, self.trainer.strategy.root_device, data.num_features, data.y_train.shape[1],
                          len(data.x_train) + len(data.x_val), self.trainer.world_size)  # fmt: skip
