@@ -15,8 +15,24 @@ LOG.setLevel(logging.INFO)
 
 
 class _LogFile(logging.FileHandler):
+    """A full disk (or a dir gone) drops the log's lines: the run's own error line says what happened, and a
+    traceback of the log, or an error of its own, would only bury it. Opening the file (delayed to the first line)
+    and closing it raise outside logging's own handleError, so they are caught here too."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            super().emit(record)
+        except OSError:
+            pass
+
     def handleError(self, record: logging.LogRecord) -> None:
-        pass  # a full disk: the run's own error line says so; the log's traceback would only bury it
+        pass
+
+    def close(self) -> None:
+        try:
+            super().close()
+        except OSError:
+            pass
 
 
 def say(text: str, file=None) -> None:
