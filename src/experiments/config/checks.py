@@ -10,7 +10,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from omegaconf import DictConfig, OmegaConf
 
 from experiments.config.errors import ConfigError
-from experiments.config.rules import check_rules
+from experiments.config.rules import RULES, check_rules  # noqa: F401 (RULES: the search's space check reads it here)
 from experiments.config.sizes import check_synthetic_memory
 from experiments.config.topology import device_count, parse_devices, strategy_class, world_size
 from experiments.distributed.dp import DataParallelStrategy

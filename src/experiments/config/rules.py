@@ -55,10 +55,13 @@ def _precision(v) -> bool:
     return v in internals.precisions()
 
 
-def _precisions() -> str:
-    from experiments import internals
+class _Precisions:
+    """What `trainer.precision` allows, as text: Lightning's list, read when a message shows it."""
 
-    return ", ".join(sorted(map(str, internals.precisions())))
+    def __str__(self) -> str:
+        from experiments import internals
+
+        return ", ".join(sorted(map(str, internals.precisions())))
 
 # (setting, test, what is allowed). A setting that the chosen config does not have is skipped (data=file
 # has no num_samples).
@@ -93,7 +96,7 @@ RULES = [
     ("checkpoint.every_n_epochs", lambda v: _integer(v) and v >= 0, "an integer >= 0 (0: not at epoch ends)"),
     ("checkpoint.every_n_train_steps", lambda v: v is None or (_integer(v) and v >= 1), "null, or an integer >= 1"),
     ("checkpoint.every_n_minutes", lambda v: v is None or (_real(v) and v > 0), "null, or a number of minutes > 0"),
-    ("trainer.precision", _precision, _precisions),  # last: the one that needs Lightning (what is allowed, too)
+    ("trainer.precision", _precision, _Precisions()),  # last: the one that needs Lightning (what is allowed, too)
 ]
 
 _ABSENT = object()
@@ -107,5 +110,4 @@ def check_rules(cfg: DictConfig) -> None:
     for key, test, allowed in RULES:
         value = OmegaConf.select(cfg, key, default=_ABSENT)
         if value is not _ABSENT and not test(value):
-            allowed = allowed() if callable(allowed) else allowed
             raise ConfigError(f"{key}={value} is not allowed; allowed: {allowed}")
