@@ -7,6 +7,9 @@
     python scripts/benchmark.py --gpu-sweep      # CPU vs GPU, pageable, pinned and device data, B = 64 ... 65536
     python scripts/benchmark.py --ddp            # `train.py trainer.devices=2` vs raw DDP x2, CPU, gloo (~25 min)
     python scripts/benchmark.py --ddp --quick    # its tiny smoke run (tests use it)
+    python scripts/benchmark.py --mlp            # model=mlp at d=1000, hidden [2048, 2048] vs a raw MLP loop, mfu,
+                                                 # compile, the Linear, DDP x2 (scripts/benchmark_mlp.py; ~20 min)
+    python scripts/benchmark.py --mlp --quick    # its tiny smoke run (tests use it)
 
 Each row of the table: the seed's loop as an expert writes it (raw) against `experiments.commands.train.train`
 (project), the same steps in this process, each side's minimum over `--reps` interleaved repetitions
@@ -21,6 +24,7 @@ import os
 import sys
 
 import benchmark_ddp  # scripts/, beside this file
+import benchmark_mlp
 import lightning
 import torch
 from benchmark_command import checkpoint_cost, command_lines
@@ -43,11 +47,16 @@ def parse_args():
     parser.add_argument("--threads", type=int, help="torch CPU threads of both paths (default: torch's)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks that everything runs")
     parser.add_argument("--ddp", action="store_true", help="DDP x2 against raw DDP x2 (scripts/benchmark_ddp.py)")
+    parser.add_argument("--mlp", action="store_true", help="model=mlp against a raw MLP loop, mfu, compile, DDP x2 "
+                        "(scripts/benchmark_mlp.py; python scripts/benchmark_mlp.py --help: its options)")  # fmt: skip
     parser.add_argument(
         "--gpu-sweep", action="store_true", help="CPU vs GPU, host vs device data, B = 64 ... 65536 (needs CUDA)"
     )
-    args = parser.parse_args()
-    if args.ddp:
+    args, rest = parser.parse_known_args()
+    if rest and not args.mlp:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    args.rest = rest
+    if args.ddp or args.mlp:
         return args
     if args.quick:
         args.features, args.samples, args.seconds, args.reps = 16, 2048, 0.1, 2
@@ -63,6 +72,9 @@ def parse_args():
 
 def main() -> None:
     args = parse_args()
+    if args.mlp:  # its own options (scripts/benchmark_mlp.py), --quick among them
+        benchmark_mlp.main(benchmark_mlp.parse_args([*args.rest, *(["--quick"] if args.quick else [])]))
+        return
     if args.ddp:
         benchmark_ddp.main(args)
         return

@@ -4,12 +4,17 @@
 # and device-resident data: the windowed step on one GPU against a raw CUDA loop), where two GPUs are present DDP x2
 # against raw DDP x2 over NCCL (benchmark.py --ddp --device cuda; with fewer, the report says it was not checked),
 # batch.effective's fit then one epoch of training (default budget with the data kept on
-# the GPU, and a 256 MiB budget with host data) and the study's GPU claims (transfer, batch, batch_fit). Needs .wheels/ from
+# the GPU, and a 256 MiB budget with host data), model=mlp at the MLP benchmark's sizes (d=1000, hidden [2048, 2048],
+# B=1024) at 32-true, bf16-mixed, 16-mixed and with compile=true, each with its mfu against the GPU's measured matmul
+# rate at that precision, and the study's GPU claims (transfer, batch, batch_fit). Needs .wheels/ from
 # scripts/gpu_wheels.sh when the machine has no package index (Hydra and its launchers are installed from it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "error: no CUDA GPU is visible to PyTorch here; scripts/gpu_check.sh runs only where one is" >&2
+  echo "not checked here: the CUDA tests; the benchmark's GPU rows; DDP x2 over NCCL; batch.effective on a GPU;"
+  echo "  model=mlp at d=1000, hidden [2048, 2048], B=1024 at 32-true, bf16-mixed, 16-mixed and compile=true, and"
+  echo "  its mfu against the GPU's measured matmul rate; the study's GPU claims"
   exit 1
 fi
 if ! python3 -c "import hydra, omegaconf, hydra_plugins.hydra_joblib_launcher, hydra_plugins.hydra_submitit_launcher" 2>/dev/null; then
@@ -79,6 +84,14 @@ FIT=(train.py trainer.accelerator=gpu data.num_samples=1000000 data.num_features
      trainer.max_epochs=1 trainer.enable_progress_bar=false logger=none)
 run batch_fit 90 bash -c "python3 ${FIT[*]} hydra.run.dir=$LOG/fit-default && python3 ${FIT[*]} \
   data.on_device=false batch.memory_mb=256 hydra.run.dir=$LOG/fit-256 && grep -h -A3 '\"batch_fit\"' $LOG/fit-*/metrics.json"
+MLP=(train.py trainer.accelerator=gpu model=mlp "model.hidden=[2048,2048]" data=teacher data.num_features=1000
+     data.num_samples=131072 data.batch_size=1024 trainer.max_steps=400 trainer.max_epochs=-1
+     trainer.limit_val_batches=0 trainer.enable_progress_bar=false logger=none)
+FIGURES='import json, sys; m = json.load(open(sys.argv[1])); print(sys.argv[2], m["status"], *(f"{k} {m[k]:.4g}" for k in
+  ("step_time_ms", "samples_per_sec", "model_tflops", "peak_tflops", "mfu")))'
+run mlp 240 bash -c "for variant in trainer.precision=32-true trainer.precision=bf16-mixed trainer.precision=16-mixed \
+  compile=true; do python3 ${MLP[*]} \$variant hydra.run.dir=$LOG/mlp-\${variant#*=} \
+  && python3 -c '$FIGURES' $LOG/mlp-\${variant#*=}/metrics.json \$variant || exit 1; done"
 run study 150 python3 scripts/study.py --only transfer --only batch --only batch_fit --out docs/study_gpu.md
 
 echo "$OUT"

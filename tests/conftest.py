@@ -67,6 +67,8 @@ PREFORK_DIR = "GPU_LAB_TEST_PREFORK_DIR"  # the server's dir, inherited by the w
 def pytest_configure(config):
     if LOCKS not in os.environ:  # the controller (or a run without workers): the workers inherit it
         os.environ[LOCKS] = tempfile.mkdtemp(prefix="gpu-lab-test-locks-")
+        # The runs' measured matmul rate (experiments.training.mfu): the session's own cache, not the user's.
+        os.environ.setdefault("GPU_LAB_CACHE", str(Path(os.environ[LOCKS]) / "cache"))
         config.add_cleanup(lambda: shutil.rmtree(os.environ.pop(LOCKS), ignore_errors=True))
         if os.environ.get(PREFORK, "1") != "0":
             server, shim = prefork.start(Path(os.environ[LOCKS]) / "prefork")

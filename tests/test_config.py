@@ -15,6 +15,7 @@ from experiments.commands.entry import CONFIG_DIR
 # Arguments that enter where the object is built (train.py), not from the YAML.
 RUNTIME_ARGS = {
     "torch.nn.Linear": {"in_features": 8},
+    "experiments.models.mlp.MLP": {"in_features": 8},
     "lightning.Trainer": {"callbacks": [], "logger": False},
     "experiments.training.dashboard.TensorBoardLogger": {"save_dir": "."},
     "lightning.pytorch.loggers.CSVLogger": {"save_dir": "."},
@@ -64,6 +65,7 @@ def _options(group: str) -> list[str]:
 
 COMBINATIONS = (
     [f"data={o}" for o in _options("data")]
+    + [f"model={o}" for o in _options("model")]
     + [f"logger={o}" for o in _options("logger")]
     + [f"experiment={o}" for o in _options("experiment")]
     + [f"strategy={o}" for o in _options("strategy")]

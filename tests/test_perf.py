@@ -193,6 +193,25 @@ def test_benchmark_ddp_quick_prints_its_table():
 
 
 @pytest.mark.slow
+def test_benchmark_mlp_quick_prints_every_row_and_verdict():
+    # Whole processes on each side (raw MLP loop, `train.py model=mlp`), the Linear, compile=true, DDP x2; tiny, so
+    # the figures are noise: the test checks that every row and verdict is there, not what they say.
+    command = [sys.executable, "scripts/benchmark.py", "--mlp", "--quick"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-2000:]
+    lines = done.stdout.splitlines()
+    rows = {line.split()[0] + " " + line.split()[1]: line.split() for line in lines if line.startswith(("mlp B=",
+            "linear B="))}  # fmt: skip
+    assert sorted(rows) == ["linear B=16", "linear B=64", "mlp B=16", "mlp B=64"]
+    assert all(float(row[2]) > 0 and 0 < float(row[-1]) for row in rows.values())  # ratio, mfu
+    assert any(line.startswith("measured fp32 matmul rate") for line in lines)
+    assert any(line.startswith("compile=true at B=64: compiled/eager step ") for line in lines)
+    assert any(line.startswith("DDP x2 at B=64: project/raw DDP ") for line in lines)
+    verdicts = [line.strip() for line in lines[lines.index("verdicts (the median ratio; cpu, fp32):") + 1 :]]
+    assert [v.split(":")[0] for v in verdicts] == ["Linear B=16", "MLP B=64", "Linear B=64"]
+
+
+@pytest.mark.slow
 def test_benchmark_of_the_options_runs_every_variant():
     command = [sys.executable, "scripts/benchmark_options.py", "--quick"]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -256,3 +275,4 @@ def test_gpu_check_refuses_without_cuda():
         done.stderr.strip()
         == "error: no CUDA GPU is visible to PyTorch here; scripts/gpu_check.sh runs only where one is"
     )
+    assert "not checked here:" in done.stdout and "model=mlp" in done.stdout and "mfu" in done.stdout

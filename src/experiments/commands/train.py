@@ -32,15 +32,22 @@ from experiments.run.refused import remove_refused_start
 from experiments.run.signals import Interrupted
 from experiments.run.summary import EpochLines, EpochLog, print_summary, quiet_lightning
 from experiments.sweeps.record import swept_overrides
-from experiments.training import batch_fit
+from experiments.training import batch_fit, mfu
 from experiments.training.callbacks import configured_callbacks, early_stop_record
-from experiments.training.checkpoint import check_fits, check_trains_on, load_checkpoint, resolve_checkpoint
+from experiments.training.checkpoint import (
+    check_fits,
+    check_same_model,
+    check_trains_on,
+    load_checkpoint,
+    resolve_checkpoint,
+)
 from experiments.training.dashboard import Dashboard, run_name
 from experiments.training.interruption import Interruption
 from experiments.training.last_checkpoint import LastCheckpoint
 from experiments.training.log_steps import LogStepProgressBar
 from experiments.training.module import Regressor
 from experiments.training.perf import PerfMonitor, run_start_time
+from experiments.training.step_memory import check_step_memory
 from experiments.training.target import TimeToTarget
 
 
@@ -146,16 +153,21 @@ class TrainRecipe:
         )  # fmt: skip
         if self.resumed:
             check_fits(self.resumed, self.data.num_features, cfg.model.out_features)
+            check_same_model(self.resumed, cfg.model, self.data.num_features)  # its shape before its budget
             if not self.run.checkpoint:  # ckpt_path: another run's, maybe finished at this budget
                 check_trains_on(self.resumed, cfg.trainer.max_epochs, cfg.trainer.max_steps)
         data = self.data  # the model, and on a GPU a batch and device-resident data, where they go
         check_run_memory(self.cfg, self.trainer.strategy.root_device, data.num_features, data.y_train.shape[1],
                          len(data.x_train) + len(data.x_val), self.trainer.world_size)  # fmt: skip
+        if self.batch_fit is None:  # a step of data.batch_size, measured (activations too); batch.effective fits one
+            check_step_memory(cfg, self.trainer, data)
         # The checkpoint carries the run's config and column names, for eval.py and predict.py.
         self.last_checkpoint.describe_data(cfg, self.data.feature_names, self.data.target_name, self.batch_fit)
         net = instantiate(cfg.model, in_features=self.data.num_features)
         optimizer, scheduler = instantiate(cfg.optimizer), instantiate(cfg.scheduler)
-        self.module = Regressor(net, optimizer, self.data.feature_mean, self.data.feature_std, scheduler=scheduler)
+        self.module = Regressor(
+            net, optimizer, self.data.feature_mean, self.data.feature_std, scheduler=scheduler, compile=cfg.compile
+        )
         self.origin_entry = None
         if self.rank.zero:
             state.claim(self.run, cfg)
@@ -253,6 +265,7 @@ class TrainRecipe:
             **fit,
             train_loss=None if train_loss is None else train_loss.item(),
             **self.perf.summary,
+            **mfu.run_utilization(trainer, module.net, self.perf.summary, status),
             **self.target.summary,
             **early_stop_record(trainer),
             data_device=str(data.x_train.device),

@@ -11,7 +11,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from experiments.config.errors import ConfigError
 from experiments.config.rules import RULES, check_rules  # noqa: F401 (RULES: the search's space check reads it here)
-from experiments.config.sizes import check_synthetic_memory
+from experiments.config.sizes import check_model_memory, check_synthetic_memory
 from experiments.config.topology import device_count, parse_devices, strategy_class, world_size
 from experiments.distributed.dp import DataParallelStrategy
 from experiments.distributed.single import SingleDevice
@@ -31,6 +31,16 @@ def check_config(cfg: DictConfig) -> None:
     _check_synthetic_shapes(cfg)
     check_strategy(cfg)
     check_synthetic_memory(cfg)
+    _check_model_on_the_host(cfg)
+
+
+def _check_model_on_the_host(cfg: DictConfig) -> None:
+    """A model too large for host memory, before the trainer is built, where the data's width is known from the
+    config (synthetic data) and the run is on the CPU; elsewhere the recipe checks it once the data is read."""
+    features = OmegaConf.select(cfg, "data.num_features")
+    on_cpu = cfg.trainer.accelerator == "cpu" or (cfg.trainer.accelerator == "auto" and not torch.cuda.is_available())
+    if features is not None and on_cpu and "model" in cfg:
+        check_model_memory(cfg, features, torch.device("cpu"))
 
 
 def _check_accelerator(name) -> None:

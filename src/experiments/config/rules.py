@@ -10,6 +10,7 @@ import math
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from experiments.config.errors import ConfigError
+from experiments.models.mlp import ACTIVATIONS
 
 
 def _integer(v) -> bool:
@@ -44,6 +45,10 @@ def _devices(v) -> bool:
     return v == "auto" or (_integer(v) and (v >= 1 or v == -1))
 
 
+def _widths(v) -> bool:
+    return isinstance(v, ListConfig | list) and len(v) > 0 and all(_integer(w) and w >= 1 for w in v)
+
+
 def _batches(v) -> bool:
     # Lightning's limit_*_batches and val_check_interval: a float is a fraction, an int a count.
     return v is None or (_integer(v) and v >= 0) or (isinstance(v, float) and 0 <= v <= 1)
@@ -73,6 +78,11 @@ RULES = [
     ("data.val_fraction", lambda v: _real(v) and 0 <= v < 1, "a number from 0 up to, not including, 1"),
     ("data.noise_std", lambda v: _real(v) and v >= 0, "a finite number >= 0"),
     ("model.out_features", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
+    ("model.hidden", _widths, "a list of one or more integers >= 1, e.g. [1024,1024] (no hidden layer: model=linear)"),
+    ("model.activation", lambda v: v in ACTIVATIONS, ", ".join(ACTIVATIONS)),
+    ("compile", lambda v: isinstance(v, bool), "true, false"),
+    ("data.teacher_hidden", _widths, "a list of one or more integers >= 1, e.g. [256,256]"),
+    ("data.teacher_activation", lambda v: v in ACTIVATIONS, ", ".join(ACTIVATIONS)),
     ("trainer.accumulate_grad_batches", lambda v: _integer(v) and v >= 1, "an integer >= 1"),
     ("trainer.devices", _devices, "an integer >= 1, -1 (every device), auto, or a list of device indices"),
     ("trainer.num_nodes", lambda v: _integer(v) and v >= 1, "an integer >= 1"),

@@ -205,10 +205,13 @@ def check_model_memory(cfg, in_features: int, device) -> None:
     if available is None or needed <= available:
         return
     where = f"{device}'s free memory" if device.type == "cuda" else "host memory"
+    hidden = cfg.model.get("hidden")
+    outputs = cfg.model.get("out_features")
+    setting = f"model.hidden={list(hidden)}" if hidden is not None else f"model.out_features={outputs}"
+    smaller = "fewer or narrower hidden layers" if hidden is not None else "fewer features or outputs"
     raise ConfigError(
-        f"model.out_features={cfg.model.get('out_features')} with {in_features} input features: the model needs "
-        f"at least {_size(needed)} (parameters, gradients and optimizer state) and {_size(available)} of {where} "
-        "are available; allowed: fewer features or outputs"
+        f"{setting} with {in_features} input features: the model needs at least {_size(needed)} (parameters, "
+        f"gradients and optimizer state) and {_size(available)} of {where} are available; allowed: {smaller}"
     )
 
 

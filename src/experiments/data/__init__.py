@@ -2,5 +2,6 @@
 
 from experiments.data.files import FileRegression
 from experiments.data.synthetic import SyntheticRegression
+from experiments.data.teacher import TeacherRegression
 
-__all__ = ["FileRegression", "SyntheticRegression"]
+__all__ = ["FileRegression", "SyntheticRegression", "TeacherRegression"]

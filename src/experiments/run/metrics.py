@@ -47,6 +47,19 @@ class Metrics:
     comm_ms: float = key("ms", "part of a step: waiting for the gradients' all-reduce (DDP on the CPU; else 0)")
     framework_ms: float = key("ms", "part of a step: the rest (Lightning's loop, hooks, callbacks, logging)")
     peak_memory_mb: float = key("MiB", "CUDA's peak allocation on a GPU; the process's peak resident memory on the CPU")
+    # the model's work against the machine's limit (docs/speed.md)
+    model_params: int = key("", "the model's parameters (1001 for the seed's Linear at d=1000)")
+    model_tflops: float = key(
+        "TFLOP/s",
+        "the model's training FLOPs a second: 6 x the parameters of its Linear layers (2 forward, 4 backward) x "
+        "samples_per_sec; activations, loss and update left out",
+    )
+    peak_tflops: float = key(
+        "TFLOP/s",
+        "this machine's matmul rate at the run's precision, measured (best of square products up to 8192, a few "
+        "seconds, cached per machine, device, dtype and threads): one GPU's x the GPUs, or the host's on the CPU",
+    )
+    mfu: float = key("", "model FLOPs utilization: model_tflops / peak_tflops")
     # where and how it ran
     accelerator: str = key("", "cpu, cuda, mps")
     strategy: str = key("", "Lightning's name of the strategy: single_device, ddp, ddp_spawn, dp, ...")
@@ -145,7 +158,7 @@ def final_figures(net: torch.nn.Module, data) -> dict[str, float]:
         "val_r2": r2_score(pred, y_val).item(),
         "optimal_val_mse": data.optimal_val_mse,
     }
-    if isinstance(net, torch.nn.Linear):
+    if isinstance(net, torch.nn.Linear) and data.optimum is not None:  # data=teacher has no linear optimum
         w, b = data.optimum
         fitted = torch.cat([net.weight.detach().cpu().double().T, net.bias.detach().cpu().double()[None]])
         optimum = torch.cat([w, b[None]])

@@ -32,6 +32,9 @@ MOVED = {
     "experiments.perf.NoProfiler": "experiments.training.perf.NoProfiler",
     "experiments.dashboard.TensorBoardLogger": "experiments.training.dashboard.TensorBoardLogger",
 }
+# Settings added since runs were first recorded, at the value that computes what a run without them computed: a
+# run.yaml written before has not got them, and is still the same run.
+ADDED = {"compile": False}
 
 
 class State(Enum):
@@ -54,6 +57,9 @@ def identity(cfg: DictConfig) -> dict:
     batch.effective chooses them)."""
     tree = _reshaped(_renamed(OmegaConf.to_container(cfg, resolve=True)))
     tree.pop("hydra", None)
+    for key, default in ADDED.items():
+        if tree.get(key, default) == default:
+            tree.pop(key, None)
     fitted = (tree.get("batch") or {}).get("effective") is not None
     for key in IGNORED + (FITTED if fitted else ()):
         *parents, leaf = key.split(".")

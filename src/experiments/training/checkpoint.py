@@ -155,6 +155,31 @@ def check_trains_on(checkpoint: Checkpoint, max_epochs: int | None, max_steps: i
     )
 
 
+def check_same_model(checkpoint: Checkpoint, model_cfg: DictConfig, num_features: int) -> None:
+    """Refuse to resume a checkpoint into a model of another shape (model=..., model.hidden=...): its weights would
+    not load. Compared on the meta device: nothing is allocated."""
+    with torch.device("meta"):
+        net = instantiate(model_cfg, in_features=num_features)
+    wanted = {k: tuple(v.shape) for k, v in net.state_dict().items()}
+    found = {k: tuple(v.shape) for k, v in checkpoint.module.net.state_dict().items()}
+    if wanted != found:
+        raise checkpoint.error(
+            f"its model is {describe_model(checkpoint.config.model)} and this run's is {describe_model(model_cfg)}; "
+            f"allowed: this run's model as the checkpoint's ({describe_model(checkpoint.config.model, overrides=True)})"
+            ", or no ckpt_path"
+        )
+
+
+def describe_model(model_cfg: DictConfig, overrides: bool = False) -> str:
+    """`MLP(hidden=[64, 64], activation=gelu)`, or as overrides: `model=mlp model.hidden=[64,64] ...`."""
+    shown = {k: v for k, v in OmegaConf.to_container(model_cfg).items() if k not in ("_target_", "in_features")}
+    name = str(model_cfg._target_).rsplit(".", 1)[-1]
+    if not overrides:
+        return f"{name}({', '.join(f'{k}={v}' for k, v in shown.items())})"
+    values = (str(v).replace(" ", "").lower() if not isinstance(v, str) else v for v in shown.values())
+    return " ".join([f"model={name.lower()}", *(f"model.{k}={v}" for k, v in zip(shown, values, strict=True))])
+
+
 def resolve_checkpoint(ckpt_path: str | None, run_dir: Path) -> str | None:
     """`last` is the newest `checkpoints/last.ckpt` among the other runs beside this one (outputs/runs/)."""
     if ckpt_path != "last":

@@ -17,6 +17,7 @@ from collections.abc import Mapping
 
 import lightning as L
 import torch
+from hydra.utils import instantiate
 from lightning.pytorch.loggers import TensorBoardLogger as LightningTensorBoardLogger
 from lightning.pytorch.utilities import rank_zero_only
 from omegaconf import DictConfig, OmegaConf
@@ -25,6 +26,7 @@ from tensorboard.plugins.hparams import api_pb2, metadata, plugin_data_pb2
 from tensorboard.plugins.hparams import summary_v2 as hparams_summary
 
 from experiments import internals
+from experiments.models.mlp import shape
 from experiments.run.metrics import strategy_name
 
 
@@ -80,6 +82,9 @@ KEY_SETTINGS = {
     "devices": ("trainer.devices",),
     "strategy": ("strategy", "trainer.devices"),
     "precision": ("trainer.precision",),
+    "model": ("model",),
+    "width": ("model", "model.hidden"),
+    "depth": ("model", "model.hidden"),
     "num_samples": ("data", "data.num_samples", "data.path"),
     "num_features": ("data", "data.num_features", "data.path", "data.features"),
 }
@@ -171,6 +176,8 @@ class Dashboard:
         """The HPARAMS columns of this run: the key settings, as the run resolved them, and the swept settings
         that feed none of them. Settings that are None are left out."""
         cfg = self.cfg
+        with torch.device("meta"):  # the model's shape, counted without allocating it
+            net = shape(instantiate(cfg.model, in_features=data.num_features))
         columns = {
             "optimizer": cfg.optimizer._target_.rsplit(".", 1)[-1].lower(),  # sgd, adam
             "lr": cfg.optimizer.get("lr"),
@@ -180,6 +187,9 @@ class Dashboard:
             "devices": trainer.num_devices,
             "strategy": strategy_name(trainer.strategy),
             "precision": str(trainer.precision),
+            "model": cfg.model._target_.rsplit(".", 1)[-1].lower(),  # linear, mlp
+            "width": net["width"],  # the widest hidden layer (0: none)
+            "depth": net["depth"],  # hidden layers
             "num_samples": len(data.x_train) + len(data.x_val),
             "num_features": data.num_features,
         }

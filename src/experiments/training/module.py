@@ -21,7 +21,8 @@ from experiments.training.windows import WARMUP_BATCHES, window_batches
 
 class Regressor(L.LightningModule):
     """MSE regression of any `nn.Module`, trained with the optimizer that `optimizer(params)` builds, its lr
-    set by `scheduler(optimizer, ...)` when there is one (conf/scheduler/), stepped after every optimizer step.
+    set by `scheduler(optimizer, ...)` when there is one (conf/scheduler/), stepped after every optimizer step;
+    with `compile`, its forward pass in training runs through `torch.compile`.
 
     `feature_mean` and `feature_std` are the training split's statistics: the model sees standardized
     inputs, and they travel in the checkpoint so that `predict_raw` works on raw inputs. A module that only
@@ -35,11 +36,13 @@ class Regressor(L.LightningModule):
         feature_mean: torch.Tensor,
         feature_std: torch.Tensor,
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
+        compile: bool = False,
     ):
         super().__init__()
         self.net = net
         self.make_optimizer = optimizer
         self.make_scheduler = scheduler
+        self.compile = compile  # the top-level `compile`: the training forward pass through torch.compile
         self.register_buffer("feature_mean", feature_mean.clone())
         self.register_buffer("feature_std", feature_std.clone())
         self.compute_clock = ComputeClock()  # forward, backward and update, read by PerfMonitor (compute_ms)
@@ -88,6 +91,8 @@ class Regressor(L.LightningModule):
         self._sync = trainer.strategy.pre_backward if trainer.world_size > 1 else None  # DDP: all-reduce next backward
         self._check_every = self.device.type == "cpu"  # elsewhere reading the loss waits for the device
         self._fit_batches = 0  # micro-batches of this fit: the first ones run a step a window (windows.py)
+        if self.compile:  # a function, not a module: the state_dict (and so every checkpoint) stays the net's own
+            self.forward_net = torch.compile(self.forward_net or self.net.forward)
 
     def training_step(self, window: BatchLoader, batch_idx: int) -> None:
         """One window (experiments.training.windows) of the seed's loop: for each micro-batch drawn from `window`,
