@@ -1,6 +1,5 @@
-"""The train recipe: `python train.py [overrides]` (README). `TrainRecipe` has a spine you can see: set up
-(check, build), fit, finish (record); `train(cfg, run_dir)` runs it and is what tests call with a composed config.
-"""
+"""The train recipe (`python train.py`): TrainRecipe's spine is setup (check, build), fit, finish (record);
+`train(cfg, run_dir)` runs it and is what tests call with a composed config."""
 
 import sys
 import time
@@ -53,7 +52,6 @@ from experiments.training.target import TimeToTarget
 
 def train(cfg: DictConfig, run_dir: Path) -> dict:
     """One run in `run_dir`; returns its metrics.json record (a completed run's own, when there is nothing to do).
-
     The writing rank holds the dir's lock for the whole run (experiments.run.lock; a single run's was taken
     before Hydra wrote anything), and, holding it, removes what writes cut short by a kill left behind."""
     run_dir = Path(run_dir)
@@ -99,12 +97,11 @@ def _in_sweep() -> bool:
     return HydraConfig.initialized() and HydraConfig.get().mode == RunMode.MULTIRUN
 
 
-def _lock_names(run_dir: Path) -> tuple[str, str]:
-    """How a busy dir is named in its `error:` line, and the setting that chooses another."""
-    if _in_sweep():
-        hydra_cfg = HydraConfig.get()
-        return f"job {hydra_cfg.job.num}'s dir {run_dir} (hydra.sweep.dir={hydra_cfg.sweep.dir})", "hydra.sweep.dir"
-    return f"hydra.run.dir={run_dir}", "hydra.run.dir"
+def _lock_names(run_dir: Path) -> tuple[str, str]:  # a busy dir's name in its `error:` line, and the setting
+    if not _in_sweep():
+        return f"hydra.run.dir={run_dir}", "hydra.run.dir"
+    job, sweep = HydraConfig.get().job.num, HydraConfig.get().sweep.dir
+    return f"job {job}'s dir {run_dir} (hydra.sweep.dir={sweep})", "hydra.sweep.dir"
 
 
 class TrainRecipe:
@@ -294,20 +291,10 @@ class TrainRecipe:
         return metrics
 
 
-def run_sweep_job(cfg: DictConfig) -> dict:
-    """One job of a multirun. It raises, never exits: Hydra records a job that raises as failed and runs the
-    others (a SystemExit would end the whole sweep), then re-raises the first failure, so the sweep exits 1."""
-    metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir))
-    if metrics["status"] != "completed":
-        raise RuntimeError(f"the run ended {metrics['status']} (see its metrics.json)")
-    return metrics
-
-
 def main(cfg: DictConfig) -> float:
-    # Exit codes (experiments.run.exits, docs/failures.md): 0 completed, 1 failed, 2 bad input,
-    # 128 + the signal's number when interrupted; experiments.commands.entry turns errors and signals into them.
-    if HydraConfig.get().mode == RunMode.MULTIRUN:
-        metrics = run_sweep_job(cfg)
-    else:
-        metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    """Exit codes: docs/failures.md (commands.entry makes them). A sweep's job raises, never exits: Hydra records it
+    failed and runs the others (a SystemExit would end the sweep), then re-raises the first failure: exit 1."""
+    metrics = train(cfg, Path(HydraConfig.get().runtime.output_dir))
+    if _in_sweep() and metrics["status"] != "completed":
+        raise RuntimeError(f"the run ended {metrics['status']} (see its metrics.json)")
     return metrics["val_mse"]  # the objective that a search minimizes (hparams_search=optuna)
