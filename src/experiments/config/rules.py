@@ -10,7 +10,7 @@ import math
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 from experiments.config.errors import ConfigError
-from experiments.models.mlp import ACTIVATIONS
+from experiments.models import ACTIVATIONS
 
 
 def _integer(v) -> bool:

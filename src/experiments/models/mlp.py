@@ -6,8 +6,10 @@ the loss, the optimizer and the metrics. Its constructor is the config's keys, o
 
 from torch import nn
 
+from experiments.models import ACTIVATIONS
+
 # model.activation: the names a user types, and the layers they build.
-ACTIVATIONS = {"relu": nn.ReLU, "gelu": nn.GELU, "tanh": nn.Tanh, "silu": nn.SiLU}
+LAYERS = dict(zip(ACTIVATIONS, (nn.ReLU, nn.GELU, nn.Tanh, nn.SiLU), strict=True))
 
 
 class MLP(nn.Sequential):
@@ -23,7 +25,7 @@ class MLP(nn.Sequential):
         widths = [in_features, *hidden]
         layers: list[nn.Module] = []
         for width_in, width_out in zip(widths, widths[1:], strict=False):
-            layers += [nn.Linear(width_in, width_out, bias=bias), ACTIVATIONS[activation]()]
+            layers += [nn.Linear(width_in, width_out, bias=bias), LAYERS[activation]()]
         layers.append(nn.Linear(widths[-1], out_features, bias=bias))
         super().__init__(*layers)
 
