@@ -297,6 +297,12 @@ def test_a_linear_model_on_teacher_data_has_no_optimum_distance(run_in_process):
     assert metrics["target_mse"] == pytest.approx(1.02 * metrics["optimal_val_mse"])
 
 
+def test_a_linear_without_a_bias_completes_with_no_optimum_distance(run_in_process):
+    metrics, _ = run_in_process("model.bias=false", *QUIET)  # the optimum is a fit with an intercept
+    assert metrics["status"] == "completed" and metrics["optimum_distance"] is None
+    assert metrics["val_mse"] >= metrics["optimal_val_mse"]
+
+
 def test_the_mlp_on_linear_data_keeps_the_exact_optimum_and_no_distance(run_in_process):
     metrics, _ = run_in_process(*MLP_ARGS, *QUIET)
     assert metrics["optimum_distance"] is None and metrics["optimal_val_mse"] > 0

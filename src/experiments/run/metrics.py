@@ -36,7 +36,7 @@ class Metrics:
     val_mae: float = key("", "validation mean absolute error of the final weights")
     val_r2: float = key("", "validation R² of the final weights")
     optimal_val_mse: float = key("", "validation MSE of the exact least-squares fit on the training split")
-    optimum_distance: float = key("", "relative distance of the weights to that fit (a Linear model only)")
+    optimum_distance: float = key("", "relative distance of the weights to that fit (a Linear model with a bias only)")
     train_loss: float = key("", "the last training step's loss")
     # the speed, in steady state (after 5 warm-up steps; validation and last.ckpt's saves left out)
     samples_per_sec: float = key("samples/s", "training throughput")
@@ -158,7 +158,8 @@ def final_figures(net: torch.nn.Module, data) -> dict[str, float]:
         "val_r2": r2_score(pred, y_val).item(),
         "optimal_val_mse": data.optimal_val_mse,
     }
-    if isinstance(net, torch.nn.Linear) and data.optimum is not None:  # data=teacher has no linear optimum
+    # The optimum is a Linear's with an intercept: not defined for data=teacher, nor for model.bias=false.
+    if isinstance(net, torch.nn.Linear) and net.bias is not None and data.optimum is not None:
         w, b = data.optimum
         fitted = torch.cat([net.weight.detach().cpu().double().T, net.bias.detach().cpu().double()[None]])
         optimum = torch.cat([w, b[None]])
