@@ -97,6 +97,26 @@ def test_study_conclusions_come_from_the_numbers(sweep, tmp_path):
     assert f"the most, {best:.3g} samples/s" in " ".join(lines)
 
 
+def test_larger_models_are_compared_by_their_step_and_their_share_of_the_matmul_rate(sweep, tmp_path):
+    """Claim h on the Linear and the model of two layers (accumulation 1 only): one row a model and batch, the
+    smaller model first; mfu is 6 x parameters x samples/s over the measured rate; one line a batch."""
+    jobs = [j for j in sweep if j.metrics["accumulate_grad_batches"] == 1]
+    (section,), lines, verified = speed.model_size([jobs], tmp_path)
+    assert [(r["model"], r["global_batch_size"]) for r in section.rows] == [
+        ("Linear", 32), ("TwoLayers", 32), ("Linear", 64), ("TwoLayers", 64)
+    ]  # fmt: skip
+    for row in section.rows:
+        m = next(j.metrics for j in jobs if j.settings["model._target_"].endswith(row["model"])
+                 and j.metrics["global_batch_size"] == row["global_batch_size"])  # fmt: skip
+        assert row["mfu"] == pytest.approx(6 * m["model_params"] * m["samples_per_sec"] / 1e12 / m["peak_tflops"])
+    assert len(lines) == 2 and section.plot.read_bytes()[:8] == PNG_SIGNATURE
+    for line, (small, large) in zip(lines, (section.rows[:2], section.rows[2:]), strict=True):
+        ratio = large["step_time_ms"] / small["step_time_ms"]
+        assert f"({ratio:.2f}x)" in line and f"{small['step_time_ms']:.3g} ms a step" in line
+        assert ("from TwoLayers on" in line) == (ratio >= 2)
+    assert "**GPU: unverified**" in verified
+
+
 def test_final_weights_are_every_tensor_of_the_model_whatever_its_layers(sweep, tmp_path):
     """A model of two layers has four tensors, not a Linear's weight and bias: accumulation compares them all the same;
     two jobs of different models are refused, not compared."""

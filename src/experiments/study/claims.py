@@ -140,5 +140,19 @@ CLAIMS = (
         ),
         analysis=memory.largest_micro_batch,
     ),
+    Claim(
+        name="models",
+        title="(h) Larger models gain more",
+        seed="Small models or small batches may see no clear speed-up; larger models and data gain more.",
+        sweeps=(
+            Sweep("models-linear", ("experiment=study_models",), GPU),
+            Sweep(
+                "models-mlp",
+                ("experiment=study_models", "model=mlp", "model.hidden=[256,256],[1024,1024],[4096,4096]"),
+                GPU,
+            ),
+        ),
+        analysis=speed.model_size,
+    ),
 )
 NAMES = [claim.name for claim in CLAIMS]

@@ -150,3 +150,68 @@ def time_to_target(runs: list[list[Job]], out: Path) -> Findings:
         for j in missed
     ]
     return Findings([section], lines, gpu_line(jobs, "the GPU's time to target"))
+
+
+def model_size(runs: list[list[Job]], out: Path) -> Findings:
+    """Claim h: the same steps for the Linear and MLPs of growing width, at a small and a large batch. Every
+    parameter of these models is a Linear layer's, so a sample's training FLOPs are 6 x model_params, and mfu is
+    recomputed from the median samples_per_sec of the repeats (model_tflops is the representative job's own)."""
+    rows = []
+    for j in completed(pooled(runs)):
+        m = j.metrics
+        hidden = j.settings.get("model.hidden")
+        tflops = 6 * m["model_params"] * m["samples_per_sec"] / 1e12
+        rows.append(
+            {
+                "model": f"MLP{hidden}".replace(" ", "") if hidden else j.settings["model._target_"].split(".")[-1],
+                "model_params": m["model_params"],
+                "accelerator": m["accelerator"],
+                "global_batch_size": m["global_batch_size"],
+                "step_time_ms": m["step_time_ms"],
+                "compute_pct": 100 * m["compute_ms"] / m["step_time_ms"],
+                "samples_per_sec": m["samples_per_sec"],
+                "model_tflops": tflops,
+                "mfu": tflops / m["peak_tflops"] if m.get("peak_tflops") else None,
+            }
+        )
+    rows.sort(key=lambda r: (r["accelerator"], r["global_batch_size"], r["model_params"]))
+    section = Section("Step time and mfu as the model grows", columns=list(rows[0]) if rows else [], rows=rows)
+    series: dict[tuple, list[dict]] = {}
+    for r in rows:
+        series.setdefault((r["accelerator"], r["global_batch_size"]), []).append(r)
+    lines = []
+    if rows:
+        fig, (speed_ax, mfu_ax) = plt.subplots(1, 2, figsize=(10, 4.2))
+        for (device, batch), points in series.items():
+            params = [r["model_params"] for r in points]
+            speed_ax.plot(params, [r["samples_per_sec"] for r in points], marker="o", label=f"{device}, B={batch}")
+            mfu_ax.plot(params, [r["mfu"] or 0 for r in points], marker="o", label=f"{device}, B={batch}")
+        speed_ax.set(xscale="log", yscale="log", xlabel="model parameters", ylabel="samples per second",
+                     title="Throughput as the model grows")  # fmt: skip
+        mfu_ax.set(xscale="log", xlabel="model parameters", ylabel="mfu (model FLOPs / measured matmul rate)",
+                   title="Share of the machine's matmul rate")  # fmt: skip
+        mfu_ax.legend()
+        section.plot = save(fig, out / "models.png")
+    for (device, batch), points in series.items():
+        base, largest = points[0], points[-1]
+        computing = next((r for r in points[1:] if r["step_time_ms"] >= 2 * base["step_time_ms"]), None)
+        where = (
+            f"from {computing['model']} on, a step takes at least twice the {base['model']}'s: its compute "
+            "outweighs a step's fixed cost"
+            if computing
+            else f"no model here takes twice the {base['model']}'s step: every step is mostly fixed cost"
+        )
+        mfus = [r["mfu"] for r in points if r["mfu"] is not None]
+        mfu = f"; mfu from {min(mfus):.2g} to {max(mfus):.2g}" if mfus else ""
+        lines.append(
+            f"{device}, B={batch}: the {base['model']} ({base['model_params']:,} parameters) takes "
+            f"{base['step_time_ms']:.3g} ms a step, the {largest['model']} ({largest['model_params']:,}, "
+            f"{largest['model_params'] / base['model_params']:.3g}x the FLOPs) {largest['step_time_ms']:.3g} ms "
+            f"({ratio_text(largest['step_time_ms'], base['step_time_ms'])}); {where}{mfu}."
+        )
+    verified = "GPU: measured." if any(r["accelerator"] == "cuda" for r in rows) else (
+        "**GPU: unverified** (no GPU ran this study): how much faster a GPU runs each model than this CPU, the other "
+        "half of the seed's sentence, was not measured; the CPU rows show at which size a step stops being fixed "
+        "cost and how close it comes to the CPU's own matmul rate."
+    )  # fmt: skip
+    return Findings([section], lines, verified)
