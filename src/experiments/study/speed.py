@@ -207,7 +207,8 @@ def model_size(runs: list[list[Job]], out: Path) -> Findings:
             f"{device}, B={batch}: the {base['model']} ({base['model_params']:,} parameters) takes "
             f"{base['step_time_ms']:.3g} ms a step, the {largest['model']} ({largest['model_params']:,}, "
             f"{largest['model_params'] / base['model_params']:.3g}x the FLOPs) {largest['step_time_ms']:.3g} ms "
-            f"({ratio_text(largest['step_time_ms'], base['step_time_ms'])}); {where}{mfu}."
+            f"({largest['step_time_ms'] / base['step_time_ms']:.3g}x), compute {base['compute_pct']:.3g}% of a step "
+            f"against {largest['compute_pct']:.3g}%; {where}{mfu}."
         )
     verified = "GPU: measured." if any(r["accelerator"] == "cuda" for r in rows) else (
         "**GPU: unverified** (no GPU ran this study): how much faster a GPU runs each model than this CPU, the other "
