@@ -1,8 +1,8 @@
 """The seed's five pieces of advice as measured, re-runnable results: runs the study sweeps, writes docs/study.md.
 
-    python scripts/study.py                    # every claim: about 10 minutes on 2 CPU cores
+    python scripts/study.py                    # every claim: about 13 minutes on 2 CPU cores
     python scripts/study.py --only batch       # one claim (transfer, batch, memory, scaling, accumulation,
-                                               # target, batch_fit): its section replaced, the others kept
+                                               # target, batch_fit, models): its section replaced, the others kept
 
 Each claim is one record of experiments.study.claims: its title, the seed's sentence, one or two Hydra multiruns
 of conf/experiment/study_*.yaml (outputs/study/<time>/<sweep>/), read back through results.csv's sources
