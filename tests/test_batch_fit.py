@@ -35,6 +35,7 @@ from experiments.run.summary import summary_lines
 from experiments.training import batch_fit
 from experiments.training.allocations import CpuAllocations
 from experiments.training.module import Regressor
+from experiments.training.probe import Probe
 
 E = 192
 # A budget of 8 KiB: TINY's step (8 features) takes about 47 bytes a sample beside a fixed part of about 4.1 KiB
@@ -97,7 +98,7 @@ def probe_setup(*overrides: str):
 @pytest.mark.parametrize("features", [8, 100])
 def test_the_probe_measures_what_one_more_sample_adds_to_a_step(features):
     cfg, trainer, data = probe_setup(f"data.num_features={features}", "data.num_samples=2000")
-    probe = batch_fit.Probe(cfg, trainer, data, torch.device("cpu"))
+    probe = Probe(cfg, trainer, data, torch.device("cpu"))
     steps = {m: probe.step_bytes(m) for m in (16, 32, 64, 128)}
     slopes = [(steps[2 * m] - steps[m]) / m for m in (16, 32, 64)]
     assert max(slopes) - min(slopes) <= 0.01 * max(slopes)  # counted, not sampled: linear in the batch
@@ -110,7 +111,7 @@ def test_the_probe_measures_what_one_more_sample_adds_to_a_step(features):
 def test_the_chosen_micro_batch_fits_and_the_next_larger_does_not(budget_mb):
     cfg, trainer, data = probe_setup(f"batch.memory_mb={budget_mb}")
     fit = batch_fit.measure(cfg, trainer, data, 512, cfg.batch)
-    probe = batch_fit.Probe(cfg, trainer, data, torch.device("cpu"))
+    probe = Probe(cfg, trainer, data, torch.device("cpu"))
     budget = budget_mb * 2**20 - batch_fit.resident_data_bytes(data, torch.device("cpu"))  # less an epoch's order
     assert fit.budget_mb == pytest.approx(budget_mb) and fit.micro_batch * fit.accumulate == 512
     assert probe.step_bytes(fit.micro_batch) <= budget  # what it trains with fits

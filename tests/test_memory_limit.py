@@ -78,3 +78,39 @@ def test_data_larger_than_the_limit_is_refused_in_one_line_before_allocating(cgr
     assert len(lines) == 1 and lines[0].startswith("error: data.num_samples=300000") and "available" in lines[0]
     assert peak_bytes(cgroup) < LIMIT / 2  # refused before the data was made
     assert not (tmp_path / "run" / "metrics.json").exists()
+
+
+# An MLP [2048, 2048]: its step's activations grow about 40 KB a sample, its parameters, gradients and optimizer
+# state are about 50 MiB. Under the limit a step of 2048 samples fits and one of 32768 does not.
+MLP = ["model=mlp", "model.hidden=[2048,2048]", "data.num_features=100", "trainer.max_steps=3",
+       "trainer.limit_val_batches=0"]  # fmt: skip
+UNCHECKED = """
+import runpy, sys
+import experiments.commands.train as recipe
+recipe.check_step_memory = lambda *args: None  # the check that this test shows was right to refuse
+sys.argv = ["train.py", *sys.argv[1:]]
+runpy.run_path("train.py", run_name="__main__")
+"""
+
+
+def test_an_mlp_step_the_check_admits_runs_under_the_limit(cgroup, tmp_path):
+    done = train_in(cgroup, *MLP, "data.num_samples=4096", "data.batch_size=2048", f"hydra.run.dir={tmp_path / 'run'}")
+    assert done.returncode == 0, done.stderr
+    assert json.loads((tmp_path / "run" / "metrics.json").read_text())["status"] == "completed"
+    assert peak_bytes(cgroup) < LIMIT
+
+
+def test_an_mlp_step_the_check_refuses_would_have_run_out_of_memory(cgroup, tmp_path):
+    overrides = [*MLP, "data.num_samples=40960", "data.batch_size=32768"]
+    done = train_in(cgroup, *overrides, f"hydra.run.dir={tmp_path / 'refused'}")
+    errors = [line for line in done.stderr.splitlines() if line.startswith("error:")]  # after Lightning's lines
+    assert done.returncode == 2 and len(errors) == 1 and done.stderr.strip().endswith(errors[0]), done.stderr[-2000:]
+    assert errors[0].startswith("error: data.batch_size=32768: a training step of 32768 samples")
+    assert "activations" in errors[0] and not (tmp_path / "refused" / "metrics.json").exists()
+    # The same run with the check taken out: the kernel's OOM killer ends it in its first step.
+    procs = cgroup / "cgroup.procs"
+    command = [sys.executable, "-c", UNCHECKED, "trainer.enable_progress_bar=false", *overrides,
+               f"hydra.run.dir={tmp_path / 'unchecked'}"]  # fmt: skip
+    unchecked = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300,
+                               preexec_fn=lambda: procs.write_text(str(os.getpid())))  # fmt: skip
+    assert unchecked.returncode == -9, unchecked.stderr[-2000:]

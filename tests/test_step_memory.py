@@ -9,7 +9,7 @@ from hydra.utils import instantiate
 
 from experiments.config.errors import ConfigError
 from experiments.training import step_memory
-from experiments.training.batch_fit import Probe
+from experiments.training.probe import Probe
 
 MiB = 2**20
 

@@ -2,15 +2,11 @@
 budget, and the accumulation that makes micro-batch x accumulation x ranks = E exactly.
 
 Measured, not guessed, and never by running out of memory (on the CPU that kills the process rather than raising):
-small probe steps of the run's own model, optimizer and precision, on the run's device, give the bytes one more
-sample adds to a step and the step's fixed part (model, gradients, optimizer state); the data counts too when it
-will be kept on the GPU. The largest micro-batch that divides E / ranks and fits is then run for real before
-training; if it does not fit after all, the next smaller one is tried.
-
-Memory is CUDA's `max_memory_allocated` on a GPU; on the CPU, the bytes of the tensors torch allocates
-(`training.allocations.CpuAllocations`), since the process's resident set does not see memory that glibc reuses. Rank 0
-measures on its device; the other ranks take its choice when the Trainer sets up (`ShareFit`). Every probe runs
-inside `torch.random.fork_rng`, so the run's seeded maths is the same as without the option.
+probe steps of the run's own model (experiments.training.probe) give the bytes one more sample adds to a step and the
+step's fixed part (model, gradients, optimizer state); the data counts too when it will be kept on the GPU. The
+largest micro-batch that divides E / ranks and fits is then run for real before training; if it does not fit after
+all, the next smaller one is tried. Rank 0 measures on its device; the other ranks take its choice when the Trainer
+sets up (`ShareFit`).
 """
 
 import copy
@@ -19,8 +15,6 @@ from dataclasses import dataclass, fields
 
 import lightning as L
 import torch
-import torch.nn.functional as F
-from hydra.utils import instantiate
 from lightning.pytorch.callbacks import Callback
 from omegaconf import DictConfig, OmegaConf
 
@@ -29,11 +23,7 @@ from experiments.config.errors import ConfigError
 from experiments.config.sizes import host_available
 from experiments.data.datamodule import RegressionData, keep_on_device
 from experiments.run.exits import RunFailed
-from experiments.training.allocations import CpuAllocations
-
-MiB = 2**20
-PROBE_BYTES = 4 * MiB  # the smaller probe's batch: large enough that CUDA's 512-byte rounding is noise, small beside
-# any budget (or a sixteenth of a smaller one)
+from experiments.training.probe import MiB, Probe
 
 
 @dataclass(frozen=True)
@@ -101,17 +91,13 @@ def measure(cfg: DictConfig, trainer: L.Trainer, data: RegressionData, effective
     probe.step_bytes(1)  # warm-up: CUDA's context, cuBLAS's workspace and autograd's first allocations
     resident = resident_data_bytes(data, device)
     budget, budget_from = budget_bytes(spec, device, trainer.num_devices, host_data_bytes(data))
-    small = max(1, min(per_rank // 2, int(min(PROBE_BYTES, budget / 16) // data_row_bytes(data))))
-    large = min(2 * small, per_rank)
-    peak_small, peak_large = probe.step_bytes(small), probe.step_bytes(large)
-    if peak_small is None or peak_large is None:
+    if (measured := probe.slope(per_rank, budget)) is None:
         raise ConfigError(
-            f"batch.effective={effective}: probe steps of {small} and {large} samples ran out of CUDA memory on "
-            f"{device} ({torch.cuda.mem_get_info(device)[0] / MiB:.0f} MiB free); allowed: a GPU with memory free"
+            f"batch.effective={effective}: its probe steps ran out of CUDA memory on {device} "
+            f"({torch.cuda.mem_get_info(device)[0] / MiB:.0f} MiB free); allowed: a GPU with memory free"
         )
-    per_sample = (peak_large - peak_small) / (large - small) if large > small else peak_small
-    per_sample = per_sample if per_sample > 0 else peak_large / large  # noise in tiny probes: the whole step
-    fixed = resident + max(peak_small - small * per_sample, 0.0)
+    per_sample, fixed = measured
+    fixed += resident
     limit = math.floor((budget - fixed) / per_sample)
     while (micro := largest_micro_batch(per_rank, limit)) is not None:
         step = probe.step_bytes(micro)  # the chosen size, run for real before training
@@ -132,61 +118,6 @@ def measure(cfg: DictConfig, trainer: L.Trainer, data: RegressionData, effective
         f"sample, which needs {one / MiB:.4g} MiB (fixed part {fixed / MiB:.4g} MiB{data_part}, plus "
         f"{per_sample:.4g} bytes a sample); allowed: batch.memory_mb of at least {rounded_up(one / MiB):.4g}"
     )
-
-
-class Probe:
-    """Training steps of a fresh copy of the run's model and optimizer, at the run's precision, on rows of its
-    data: what one rank's step allocates, fixed part included (model, gradients, optimizer state)."""
-
-    def __init__(self, cfg: DictConfig, trainer: L.Trainer, data: RegressionData, device: torch.device):
-        self.cfg, self.precision, self.data, self.device = cfg, trainer.precision_plugin, data, device
-        self.splits = (data.x_train, data.y_train)
-
-    def step_bytes(self, micro_batch: int, steps: int = 2) -> int | None:
-        """Peak bytes of `steps` steps (the first makes the optimizer's state); None if CUDA ran out of memory."""
-        rows = torch.arange(micro_batch, device=self.splits[0].device)  # on the GPU where the run moved the data
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):  # the run's seeded initial weights stay as they are
-            try:
-                return allocated_peak(self.device, lambda: self._steps(rows, steps))
-            except torch.OutOfMemoryError:
-                return None
-            finally:
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-
-    def _steps(self, rows: torch.Tensor, steps: int) -> None:
-        net = instantiate(self.cfg.model, in_features=self.data.num_features)
-        net = self.precision.convert_module(net).to(self.device)
-        optimizer = instantiate(self.cfg.optimizer)(net.parameters())
-        for _ in range(steps):
-            # Gathered as the loader gathers a batch, then moved as Lightning moves it.
-            x, y = (self.precision.convert_input(t.index_select(0, rows).to(self.device)) for t in self.splits)
-            with self.precision.train_step_context():
-                loss = F.mse_loss(net(x), y)  # Regressor.training_step's loss
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            del x, y, loss
-
-
-def allocated_peak(device: torch.device, work) -> int:
-    """The most bytes allocated at once on `device` while `work()` runs, beyond what was allocated before."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        before = torch.cuda.memory_allocated(device)
-        torch.cuda.reset_peak_memory_stats(device)
-        work()
-        torch.cuda.synchronize(device)
-        return torch.cuda.max_memory_allocated(device) - before
-    if device.type != "cpu":
-        raise ConfigError(
-            f"batch.effective: memory is measured on cpu and cuda devices, not {device.type}; allowed: "
-            "trainer.accelerator=cpu or cuda, or data.batch_size and trainer.accumulate_grad_batches set by hand"
-        )
-    with CpuAllocations() as counter:
-        work()
-    return counter.peak
 
 
 def budget_bytes(spec: DictConfig, device: torch.device, local_ranks: int, host_data: int) -> tuple[float, str]:
@@ -228,10 +159,6 @@ def resident_data_bytes(data: RegressionData, device: torch.device) -> int:
     if device.type == "cpu" or data.x_train.device == device:
         return order
     return nbytes + order if keep_on_device(data.on_device, device, nbytes) else 0
-
-
-def data_row_bytes(data: RegressionData) -> int:
-    return data.x_train[0].nbytes + data.y_train[0].nbytes
 
 
 def applied(cfg: DictConfig, fit: Fit) -> DictConfig:

@@ -4,9 +4,8 @@
 Measured, as batch_fit measures, never guessed: probe steps of the run's own model, optimizer and precision on its
 device give the step's fixed part (parameters, gradients, optimizer state) and what one more sample adds (the batch,
 the activations the backward pass keeps, the gradients of the activations), so a model that computes (an MLP's
-activations grow with the batch, the seed's Linear keeps almost none) is counted as what it allocates. On the CPU
-the probes are a few samples (torch's allocations are counted exactly); on a GPU they are batch_fit's (about 4 MiB of
-data, against the allocator's rounding).
+activations grow with the batch, the seed's Linear keeps almost none) is counted as what it allocates
+(experiments.training.probe, batch_fit's mechanism too).
 """
 
 import math
@@ -17,18 +16,8 @@ from omegaconf import DictConfig
 from experiments.config.errors import ConfigError
 from experiments.config.sizes import device_free, host_available
 from experiments.data.datamodule import RegressionData
-from experiments.training.batch_fit import PROBE_BYTES, MiB, Probe, data_row_bytes, resident_data_bytes
-
-CPU_PROBE = 8  # samples of the smaller CPU probe step (the larger has twice as many)
-
-
-def _slope(probe: Probe, small: int, large: int) -> tuple[float, float] | None:
-    """(bytes one more sample adds, the fixed bytes) of a step, from steps of `small` and `large` samples."""
-    peak_small, peak_large = probe.step_bytes(small), probe.step_bytes(large)
-    if peak_small is None or peak_large is None:
-        return None
-    per_sample = max((peak_large - peak_small) / (large - small), 0.0)
-    return per_sample, max(peak_small - small * per_sample, 0.0)
+from experiments.training.batch_fit import resident_data_bytes
+from experiments.training.probe import MiB, Probe
 
 
 def check_step_memory(cfg: DictConfig, trainer: L.Trainer, data: RegressionData) -> None:
@@ -47,21 +36,9 @@ def check_step_memory(cfg: DictConfig, trainer: L.Trainer, data: RegressionData)
     probe = Probe(cfg, trainer, data, device)
     if device.type == "cuda":
         probe.step_bytes(1)  # CUDA's context, cuBLAS's workspace
-        small = max(1, min(micro // 2, int(PROBE_BYTES // data_row_bytes(data))))
-    else:
-        small = max(1, min(micro // 2, CPU_PROBE))
-    measured = _slope(probe, small, max(small + 1, 2 * small))
-    if measured is None:
+    if (measured := probe.slope(micro, available)) is None:
         return  # out of CUDA memory already at the probes' size: the run's own error says so
-    # A step's peak is the largest of several moments' bytes (after the forward pass, in the backward pass), each
-    # growing with the batch at its own rate: a small batch peaks where the weights' part weighs most, a large one
-    # where the activations' does. Probed again past the batch where the per-sample part outweighs the fixed part,
-    # the slope is the large batch's (measured at 2048 samples of an MLP [256, 256]: 4136 bytes a sample from 8 and
-    # 16 samples, 5164 beyond).
     per_sample, fixed = measured
-    large = min(micro, 2 * math.ceil(4 * fixed / per_sample)) if per_sample else micro
-    if large > 2 * small and (measured := _slope(probe, large // 2, large)) is not None:
-        per_sample, fixed = measured
     fixed += resident_data_bytes(data, device)
     needed = fixed + per_sample * micro
     if needed <= available:
