@@ -55,6 +55,20 @@ PAGES = {
         ],
         "docs/using-a-model.md",
     ),
+    "advise": (
+        "advise.py",
+        "Measure, on this machine, for this model and data (any train.py override), which of the seed's knobs pays: "
+        "the batch, accumulation, DDP, precision, torch.compile, where the data is held; print a table, each knob's "
+        "verdict and the train.py command of the fastest configuration that keeps your result. About 2 minutes; "
+        "writes outputs/advise/<timestamp>/: advice.json, throughput.png, the trials' run dirs.",
+        [
+            ("python advise.py", "the seed's Linear on this machine"),
+            ("python advise.py model=mlp model.hidden=[1024,1024]", "an MLP"),
+            ("python advise.py data=file data.path=my.csv data.target=price", "your own data"),
+            ("python advise.py data.batch_size=64 trainer.accumulate_grad_batches=4", "your command, as you train it"),
+        ],
+        "docs/advice.md",
+    ),
 }
 
 # Options that are the study's own (scripts/study.py runs them), listed apart from the user's.

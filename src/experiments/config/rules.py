@@ -106,6 +106,12 @@ RULES = [
     ("checkpoint.every_n_epochs", lambda v: _integer(v) and v >= 0, "an integer >= 0 (0: not at epoch ends)"),
     ("checkpoint.every_n_train_steps", lambda v: v is None or (_integer(v) and v >= 1), "null, or an integer >= 1"),
     ("checkpoint.every_n_minutes", lambda v: v is None or (_real(v) and v > 0), "null, or a number of minutes > 0"),
+    ("advise.budget_s", lambda v: _real(v) and v > 0, "a number of seconds > 0"),
+    ("advise.repeats", lambda v: _integer(v) and v >= 3, "an integer >= 3 (a median and a range need three)"),
+    ("advise.tolerance", lambda v: _real(v) and 0 <= v < 1, "a share from 0 up to, not including, 1"),
+    ("advise.ddp", lambda v: isinstance(v, bool), "true, false"),
+    ("advise.compile", lambda v: isinstance(v, bool), "true, false"),
+    ("advise.max_batch", lambda v: v is None or (_integer(v) and v >= 1), "null (the training split), an integer >= 1"),
     ("trainer.precision", _precision, _Precisions()),  # last: the one that needs Lightning (what is allowed, too)
 ]
 
