@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
-# bash scripts/gpu_check.sh      (on a machine with a CUDA GPU; at most 9.5 minutes, 11.5 with two GPUs; writes docs/gpu.md after each part)
+# bash scripts/gpu_check.sh      (on a machine with a CUDA GPU; at most 15 minutes, 17 with two GPUs; writes docs/gpu.md after each part)
 # Everything that needs a GPU: the tests with CUDA skips, the benchmark's GPU rows (host pageable, host pinned
 # and device-resident data: the windowed step on one GPU against a raw CUDA loop), where two GPUs are present DDP x2
 # against raw DDP x2 over NCCL (benchmark.py --ddp --device cuda; with fewer, the report says it was not checked),
 # batch.effective's fit then one epoch of training (default budget with the data kept on
 # the GPU, and a 256 MiB budget with host data), model=mlp at the MLP benchmark's sizes (d=1000, hidden [2048, 2048],
 # B=1024) at 32-true, bf16-mixed, 16-mixed and with compile=true, each with its mfu against the GPU's measured matmul
-# rate at that precision, and the study's GPU claims (transfer, batch, batch_fit). Needs .wheels/ from
+# rate at that precision, the study's GPU claims (transfer, batch, batch_fit), and `python advise.py` for the seed's
+# Linear and an MLP [1024, 1024], each checked against full runs of its command and the user's (scripts/advice_check.py:
+# the predicted speed-up within 15% of the measured one). Needs .wheels/ from
 # scripts/gpu_wheels.sh when the machine has no package index (Hydra and its launchers are installed from it).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,7 +16,8 @@ if ! python3 -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else
   echo "error: no CUDA GPU is visible to PyTorch here; scripts/gpu_check.sh runs only where one is" >&2
   echo "not checked here: the CUDA tests; the benchmark's GPU rows; DDP x2 over NCCL; batch.effective on a GPU;"
   echo "  model=mlp at d=1000, hidden [2048, 2048], B=1024 at 32-true, bf16-mixed, 16-mixed and compile=true, and"
-  echo "  its mfu against the GPU's measured matmul rate; the study's GPU claims"
+  echo "  its mfu against the GPU's measured matmul rate; the study's GPU claims; the advice (python advise.py) for the"
+  echo "  Linear and an MLP [1024, 1024] on a GPU, against full runs of its commands"
   exit 1
 fi
 if ! python3 -c "import hydra, omegaconf, hydra_plugins.hydra_joblib_launcher, hydra_plugins.hydra_submitit_launcher" 2>/dev/null; then
@@ -92,6 +95,8 @@ FIGURES='import json, sys; m = json.load(open(sys.argv[1])); print(sys.argv[2], 
 run mlp 240 bash -c "for variant in trainer.precision=32-true trainer.precision=bf16-mixed trainer.precision=16-mixed \
   compile=true; do python3 ${MLP[*]} \$variant hydra.run.dir=$LOG/mlp-\${variant#*=} \
   && python3 -c '$FIGURES' $LOG/mlp-\${variant#*=}/metrics.json \$variant || exit 1; done"
+run advice 330 bash -c "python3 scripts/advice_check.py --reps 2 trainer.accelerator=gpu \
+  && python3 scripts/advice_check.py --reps 2 trainer.accelerator=gpu model=mlp 'model.hidden=[1024,1024]'"
 run study 150 python3 scripts/study.py --only transfer --only batch --only batch_fit --out docs/study_gpu.md
 
 echo "$OUT"

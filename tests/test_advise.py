@@ -135,8 +135,8 @@ def test_ctrl_c_during_a_ddp_trial_leaves_no_process(tmp_path):
 
 
 def cli_speed(overrides: list[str], run_dir: Path) -> dict:
-    done = subprocess.run([sys.executable, "train.py", *overrides, "trainer.enable_progress_bar=false",
-                           f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True, text=True, timeout=300)  # fmt: skip
+    command = [sys.executable, "train.py", *overrides, "trainer.enable_progress_bar=false", f"hydra.run.dir={run_dir}"]
+    done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     return json.loads((run_dir / "metrics.json").read_text())
 

@@ -124,10 +124,11 @@ def test_seed_experiments_match_the_seed():
 
 
 # The config each entry script composes (experiments.commands.entry.command(config_name, ...) in the script).
-SCRIPT_CONFIG = {"train.py": "config", "eval.py": "eval", "predict.py": "predict"}
+SCRIPT_CONFIG = {"train.py": "config", "eval.py": "eval", "predict.py": "predict", "advise.py": "advise"}
 # Options that a user runs: each starts with the command that runs it (style.md).
 RUNNABLE = [
-    "experiment", "callbacks", "scheduler", "optimizer", "debug", "hparams_search", "batch", "eval.yaml", "predict.yaml"
+    "experiment", "callbacks", "scheduler", "optimizer", "debug", "hparams_search", "batch", "eval.yaml",
+    "predict.yaml", "advise.yaml",
 ]  # fmt: skip
 OPTIONS = sorted(p.relative_to(CONFIG_DIR).as_posix() for p in Path(CONFIG_DIR).glob("**/*.yaml"))
 

@@ -141,7 +141,7 @@ finally:
 """
 
 
-@pytest.mark.parametrize("script", ["train.py", "eval.py", "predict.py"])
+@pytest.mark.parametrize("script", ["train.py", "eval.py", "predict.py", "advise.py"])
 def test_help_is_a_page_with_examples_the_menu_and_the_settings_without_loading_torch(script):
     done = subprocess.run(
         [sys.executable, "-c", HELP_PROBE, script, "data.batch_size=7"], cwd=ROOT, capture_output=True, text=True
@@ -189,6 +189,8 @@ runpy.run_path(sys.argv[0], run_name="__main__")
         ("train.py", "optimizer.lr=0", "optimizer.lr=0 is not allowed"),
         ("eval.py", "trainer.devices=0", "trainer.devices=0 is not allowed"),
         ("predict.py", "data.batch_size=0", "data.batch_size=0 is not allowed"),
+        ("advise.py", "advise.repeats=2", "advise.repeats=2 is not allowed; allowed: an integer >= 3"),
+        ("advise.py", "data.batch_size=0", "data.batch_size=0 is not allowed"),
     ],
 )
 def test_a_bad_value_is_refused_before_torch_is_imported_and_leaves_nothing(tmp_path, script, override, named):

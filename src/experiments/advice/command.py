@@ -60,7 +60,8 @@ class Advice:
             extra = dict(extra or {})
             if max_steps:  # the same optimizer steps as another trial: their val_mse compare
                 extra.update({"trainer.max_steps": max_steps, "trainer.max_epochs": -1})
-            m = measure_here(self.base, option, run_dir, self.seconds, self.knobs.repeats, extra)
+            limit_s = max(3 * self.knobs.repeats * self.seconds, self.knobs.budget_s / 10)  # a far busier machine
+            m = measure_here(self.base, option, run_dir, self.seconds, self.knobs.repeats, extra, limit_s)
         self.measured.append(m)
         self.bar.update(1)
         if self.bar.disable:  # not a terminal (a log file, a pipe): a line a trial instead of a bar

@@ -4,7 +4,8 @@ PerfMonitor's own clock (experiments.training.perf: validation and checkpoint sa
 
 A stretch ends at the end of a window of steps (experiments.training.windows) at least `seconds` after its start:
 the callback runs once a window, at no cost a step. With `stop`, the run ends once `repeats` stretches are timed
-(one process: several ranks each time their own stretches, and one rank alone must not stop, so a DDP trial runs to
+(or, past `limit_s` seconds of training, once 3 are: a machine far busier than the budget foresaw) (one process:
+several ranks each time their own stretches, and one rank alone must not stop, so a DDP trial runs to
 its `trainer.max_steps`). The warm-up (the first steps, and torch.compile's compilation in them) is timed apart:
 from the fit's start to PerfMonitor's steady state. Rank 0 writes what it timed to `path` (JSON) at the end.
 """
@@ -21,8 +22,9 @@ from experiments.training.perf import PerfMonitor
 
 
 class Stretches(Callback):
-    def __init__(self, seconds: float, repeats: int, path: str | None = None, stop: bool = True):
-        self.seconds, self.repeats, self.path, self.stop = seconds, repeats, path, stop
+    def __init__(self, seconds: float, repeats: int, path: str | None = None, stop: bool = True,
+                 limit_s: float | None = None):  # fmt: skip
+        self.seconds, self.repeats, self.path, self.stop, self.limit_s = seconds, repeats, path, stop, limit_s
         self.rates: list[float] = []  # samples a second of each stretch
         self.warmup_s: float | None = None
         self._start: tuple[float, int] | None = None  # (training seconds, micro-steps) where this stretch began
@@ -43,7 +45,8 @@ class Stretches(Callback):
         steps = perf.steps - self._start[1]
         self.rates.append(perf.global_batch_size * steps / (now - self._start[0]))
         self._start = (now, perf.steps)
-        if self.stop and len(self.rates) >= self.repeats:
+        over = self.limit_s is not None and now - perf.fit_start["time"] > self.limit_s and len(self.rates) >= 3
+        if self.stop and (len(self.rates) >= self.repeats or over):
             trainer.should_stop = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

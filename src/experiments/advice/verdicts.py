@@ -1,10 +1,10 @@
 """What the measurements say: each knob's one-line verdict with its figure, and the recommendation.
 
 Two options are told apart only when their spreads do not overlap (the first quartile of the faster option's stretch
-rates is above the third quartile of the slower's): otherwise the verdict says they cannot be told apart, and the advice keeps
-what the user has. The recommendation is the fastest option that keeps the user's result (the same effective batch,
-optimizer and lr; a precision only when its val_mse after the same steps is within the tolerance) and is told apart
-from the user's command; none: the user's command is the advice.
+rates is above the third quartile of the slower's): otherwise the verdict says they cannot be told apart, and the
+advice keeps what the user has. The recommendation is the fastest option that keeps the user's result (the same
+effective batch, optimizer and lr; a precision only when its val_mse after the same steps is within the tolerance)
+and is told apart from the user's command; none: the user's command is the advice.
 """
 
 from dataclasses import dataclass

@@ -11,6 +11,11 @@ from experiments.sweeps.record import Job
 
 HEADER = """# The seed's advice, measured
 
+Each section below is one machine's answer: the machine it names, the seed's model (or the widths it names), the
+sizes of its sweeps. Yours may differ wherever the physics does (a GPU, more cores, a model that computes): `python
+advise.py [any train.py override]` measures the same knobs for your model and data on your machine in about two
+minutes and prints the `python train.py` command that pays there ([advice.md](advice.md)).
+
 Written by `python scripts/study.py`, which runs the sweeps of every section below; `python scripts/study.py
 --only CLAIM` runs one section's sweeps again and replaces that section alone, keeping the others, so the
 sections may come from different runs. Each section says which run it comes from, on what machine, and how many
