@@ -57,11 +57,13 @@ class Advice:
             m = measure_apart(self.overrides, option, run_dir, self.seconds, self.knobs.repeats,
                               max_steps or 100, timeout_s=max(60.0, self.left() + 30))  # fmt: skip
         else:
-            extra = dict(extra or {})
-            if max_steps:  # the same optimizer steps as another trial: their val_mse compare
+            extra, steps = dict(extra or {}), None
+            if max_steps:  # the same optimizer steps as another trial (their val_mse compare), cut in `repeats`
                 extra.update({"trainer.max_steps": max_steps, "trainer.max_epochs": -1})
+                micro_steps = max_steps * option.accumulate - WARMUP_BATCHES - option.accumulate
+                steps = max(1, micro_steps // self.knobs.repeats)
             limit_s = max(3 * self.knobs.repeats * self.seconds, self.knobs.budget_s / 10)  # a far busier machine
-            m = measure_here(self.base, option, run_dir, self.seconds, self.knobs.repeats, extra, limit_s)
+            m = measure_here(self.base, option, run_dir, self.seconds, self.knobs.repeats, extra, limit_s, steps)
         self.measured.append(m)
         self.bar.update(1)
         if self.bar.disable:  # not a terminal (a log file, a pipe): a line a trial instead of a bar

@@ -2,7 +2,8 @@
 PerfMonitor's own clock (experiments.training.perf: validation and checkpoint saves left out, as metrics.json's
 `samples_per_sec` leaves them out), so that a figure is a median with its spread, not one number.
 
-A stretch ends at the end of a window of steps (experiments.training.windows) at least `seconds` after its start:
+A stretch ends at the end of a window of steps (experiments.training.windows) at least `seconds` after its start
+(or `steps` micro-steps: a trial of a fixed length, whose val_mse another trial's is compared with, cut in as many):
 the callback runs once a window, at no cost a step. With `stop`, the run ends once `repeats` stretches are timed
 (or, past `limit_s` seconds of training, once 3 are: a machine far busier than the budget foresaw) (one process:
 several ranks each time their own stretches, and one rank alone must not stop, so a DDP trial runs to
@@ -23,8 +24,9 @@ from experiments.training.perf import PerfMonitor
 
 class Stretches(Callback):
     def __init__(self, seconds: float, repeats: int, path: str | None = None, stop: bool = True,
-                 limit_s: float | None = None):  # fmt: skip
+                 limit_s: float | None = None, steps: int | None = None):  # fmt: skip
         self.seconds, self.repeats, self.path, self.stop, self.limit_s = seconds, repeats, path, stop, limit_s
+        self.steps = steps  # micro-steps a stretch, instead of `seconds`: a trial of a fixed length, cut in `repeats`
         self.rates: list[float] = []  # samples a second of each stretch
         self.warmup_s: float | None = None
         self._start: tuple[float, int] | None = None  # (training seconds, micro-steps) where this stretch began
@@ -38,7 +40,7 @@ class Stretches(Callback):
         now = _training_clock(perf)
         if self._start is None:
             self._start = (perf.steady_start["time"], perf.steady_start["steps"])
-        if now - self._start[0] < self.seconds:
+        if (perf.steps - self._start[1] < self.steps) if self.steps else (now - self._start[0] < self.seconds):
             return
         synchronized_clock(pl_module.device)  # a GPU's queued steps are part of the stretch
         now = _training_clock(perf)
@@ -46,7 +48,7 @@ class Stretches(Callback):
         self.rates.append(perf.global_batch_size * steps / (now - self._start[0]))
         self._start = (now, perf.steps)
         over = self.limit_s is not None and now - perf.fit_start["time"] > self.limit_s and len(self.rates) >= 3
-        if self.stop and (len(self.rates) >= self.repeats or over):
+        if self.stop and ((len(self.rates) >= self.repeats and not self.steps) or over):  # steps: max_steps ends it
             trainer.should_stop = True
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:

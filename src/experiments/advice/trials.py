@@ -86,11 +86,12 @@ def trial_config(base: DictConfig, option: Option, stretch: dict, extra: dict) -
 
 
 def measure_here(base: DictConfig, option: Option, run_dir: Path, seconds: float, repeats: int,
-                 extra: dict | None = None, limit_s: float | None = None) -> Measurement:  # fmt: skip
+                 extra: dict | None = None, limit_s: float | None = None,
+                 steps: int | None = None) -> Measurement:  # fmt: skip
     """One device, in this process. Its output (Lightning's lines, the run's summary) goes to `<run dir>.log`."""
     found = Measurement(option)
     stretch = {"seconds": seconds, "repeats": repeats, "path": str(run_dir / "stretches.json"), "stop": True,
-               "limit_s": limit_s}  # fmt: skip
+               "limit_s": limit_s, "steps": steps}  # fmt: skip
     cfg = trial_config(base, option, stretch, extra or {})
     run_dir.parent.mkdir(parents=True, exist_ok=True)
     with (

@@ -64,7 +64,7 @@ def knob_line(knob: str, m: Measurement, base: Measurement, setting: str, keep: 
         if m.option.knob == "compile" and m.warmup_s is not None and base.warmup_s is not None:
             extra += f", warm-up {m.warmup_s:.1f} s against {base.warmup_s:.1f} s (compilation)"
     pays = apart(m, base) and ratio(m, base) > 1 and (m.option.knob not in ("precision", "compile") or
-                                                    same_result(m, base, tolerance) is not False)  # fmt: skip
+                                                    same_result(m, base, tolerance))  # fmt: skip
     advice = f"use {setting}" if pays else f"keep {keep}"
     at = "" if "B=" in m.option.name else f" at B={m.option.micro} x{m.option.accumulate}"
     return Line(knob, f"{m.option.name}{at}: {words}{extra}: {advice}")
@@ -106,7 +106,7 @@ def recommend(candidates: list[Measurement], yours: Measurement, bases: dict, to
             continue
         base = bases.get(m.option.name)  # a precision or compile over another option: it must pay over that one
         if base is not None and (
-            same_result(m, base, tolerance) is False or not apart(m, base) or m.median < base.median
+            not same_result(m, base, tolerance) or not apart(m, base) or m.median < base.median
         ):
             continue
         if apart(m, yours) and ratio(m, yours) > 1:
