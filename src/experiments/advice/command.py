@@ -125,7 +125,8 @@ def _advise(a: Advice, train_rows: int) -> dict:
     trial_s = 1.0 + (WARMUP_BATCHES + knobs.repeats + 1) * a.seconds  # an in-process trial at the user's size
 
     counts, why = plan.device_counts(setting, cores(), torch.cuda.device_count())
-    a.expect(len(plan.layouts(setting, train_rows)) + 2 + len(_placements(setting)) + len(counts) * knobs.ddp
+    others = len(_placements(setting) + _other_accelerators(setting)) + len(counts) * knobs.ddp + 2  # 2: bf16, compile
+    a.expect(len(plan.layouts(setting, train_rows)) + others
              + len(plan.sweep_sizes(setting, min(train_rows, knobs.max_batch or train_rows))))  # fmt: skip
 
     # 1. The same effective batch on one device: as one batch, and accumulated (what a micro-step costs).
@@ -146,7 +147,7 @@ def _advise(a: Advice, train_rows: int) -> dict:
         if not a.skip(option.name, 2 * trial_s):
             bases[option.name] = best
             a.run(option, max_steps=steps)
-    for name, placement in _placements(setting):
+    for name, placement in _placements(setting) + _other_accelerators(setting):
         option = plan.Option(name, "placement", {**best.option.settings, **placement}, best.option.micro,
                              best.option.accumulate, best.option.devices)  # fmt: skip
         if not a.skip(option.name, trial_s):
@@ -214,6 +215,11 @@ def _placements(setting: plan.Setting) -> list[tuple[str, dict]]:
     ]
 
 
+def _other_accelerators(setting: plan.Setting) -> list[tuple[str, dict]]:
+    """On a GPU, the host's CPU too (every accelerator present: the seed's first advice, a small model may not gain)."""
+    return [("the CPU", {"trainer.accelerator": "cpu"})] if setting.accelerator == "cuda" else []
+
+
 def finish(a: Advice, setting: plan.Setting, yours: Measurement, bases: dict, sweep: dict) -> dict:
     knobs = a.knobs
     measured = a.measured
@@ -271,6 +277,8 @@ def _lines(a: Advice, setting: plan.Setting, yours: Measurement, bases: dict, sw
             line = verdicts.knob_line(knob, m, base, "compile=true", "compile=false", tol)
         elif knob == "devices":
             line = verdicts.knob_line(knob, m, base, f"trainer.devices={m.option.devices}", "trainer.devices=1", tol)
+        elif knob == "placement" and m.option.name == "the CPU":
+            line = verdicts.knob_line("accelerators", m, base, "trainer.accelerator=cpu", "the GPU", tol)
         elif knob == "placement":
             line = verdicts.knob_line(knob, m, base, " ".join(m.option.overrides()[-2:]), "data.on_device=auto", tol)
             line.text += f" (copy: {m.metrics.get('transfer_ms') or 0:.3f} ms a step)"

@@ -101,7 +101,7 @@ def layouts(setting: Setting, train_size: int) -> list[Option]:
 
 def device_counts(setting: Setting, cores: int, gpus: int) -> tuple[list[int], str | None]:
     """The device counts above one that the machine offers for DDP, and why there are none when there are none."""
-    if setting.accelerator == "cuda" or gpus:
+    if setting.accelerator == "cuda":
         counts = list(range(2, gpus + 1))
         return counts, None if counts else "one GPU: no DDP to measure"
     if cores < 2:
