@@ -16,6 +16,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -23,12 +24,14 @@ AGREEMENT = 0.15  # the predicted speed-up within 15% of the measured one
 
 
 def run(script: str, args: list[str], run_dir: Path) -> None:
+    start = time.perf_counter()
     done = subprocess.run([sys.executable, script, *args, f"hydra.run.dir={run_dir}"], cwd=ROOT, capture_output=True,
                           text=True)  # fmt: skip
     if done.returncode:
         sys.exit(f"error: {script} {shlex.join(args)} failed (exit {done.returncode}):\n{done.stderr[-2000:]}")
     if script == "advise.py":
         print(done.stdout)
+        print(f"python advise.py {shlex.join(args)}: {time.perf_counter() - start:.1f} s, the whole command\n")
 
 
 def metrics(run_dir: Path) -> dict:
