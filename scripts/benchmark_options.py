@@ -6,10 +6,11 @@
 
 Each row is the project's path (scripts/benchmark_loop.py's `project_run`) with one option undone, the options being
 those that issue 17 weighed (docs/benchmarks.md): Lightning's loop a step an iteration instead of windows of
-steps, a fresh batch tensor each step instead of reused ones, `self.log` for train/loss, Lightning's own
-TensorBoardLogger, a progress-bar redraw on every log step, /proc's status file opened each log step. The raw
-loop and every variant run in each of `--reps` interleaved repetitions (the variants' order rotating); each
-figure is its minimum. An option's worth is its row against the first (nothing undone).
+steps, windows that end at every log step (`window_s=0`, as before issue 40), a fresh batch tensor each step
+instead of reused ones, `self.log` for train/loss, Lightning's own TensorBoardLogger, a progress-bar redraw on every
+log step, /proc's status file opened each log step. The raw loop and every variant run in each of `--reps`
+interleaved repetitions (the variants' order rotating); each figure is its minimum. An option's worth is its row
+against the first (nothing undone).
 """
 
 import argparse
@@ -40,7 +41,7 @@ def patched(owner, name: str, value):
 def one_step_windows():
     """Lightning's loop runs every optimizer step (a window of one step, as under DDP)."""
     position = windows.position
-    return patched(module.windows, "position", lambda trainer, warming_up=False: position(trainer, True))
+    return patched(module.windows, "position", lambda trainer, *args: position(trainer, True))
 
 
 def fresh_batches():
@@ -57,10 +58,11 @@ def fresh_batches():
 def self_log():
     """train/loss through Lightning's `self.log` (its result collection and its logger connector's writes)."""
 
-    def log_step(self, loss, lr):
-        self.log("train/loss", loss)
+    def log_steps(self, logged):
+        for _, loss, _ in logged:
+            self.log("train/loss", loss)
 
-    return patched(module.Regressor, "_log_step", log_step)
+    return patched(module.Regressor, "_log_steps", log_steps)
 
 
 def redraw_every_log_step():
@@ -75,6 +77,7 @@ LIGHTNING_LOGGER = ["logger._target_=lightning.pytorch.loggers.TensorBoardLogger
 VARIANTS = {  # name: (extra overrides, the patch that undoes the option)
     "all options": ([], contextlib.nullcontext),
     "a step an iteration": ([], one_step_windows),
+    "a window a log step": (["window_s=0"], contextlib.nullcontext),
     "fresh batch tensors": ([], fresh_batches),
     "self.log train/loss": ([], self_log),
     "Lightning's TensorBoardLogger": (LIGHTNING_LOGGER, contextlib.nullcontext),

@@ -12,10 +12,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 MANY_EPOCHS = ["trainer.max_epochs=60", "optimizer.momentum=0.9"]  # momentum: optimizer state that must be restored
 ENDLESS = ["trainer.max_epochs=100000"]  # runs until the test stops it
-RESUMABLE = ["trainer.max_epochs=3", "optimizer.momentum=0.9", "logger=none"]  # momentum: optimizer state
+# momentum: optimizer state. window_s=0: a window of steps ends at every log step (training.windows), where the tests
+# send their signals (at the default pace a window of these steps runs to the epoch's end).
+RESUMABLE = ["trainer.max_epochs=3", "optimizer.momentum=0.9", "logger=none", "window_s=0"]
 # 200 steps an epoch: a run to signal mid-epoch once the steps that CSVLogger writes to csv/metrics.csv have reached
-# 100 (`last_step`).
-MANY_STEPS = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=2"]
+# 100 (`last_step`); window_s=0: written step by step (at the default pace, at each window's end: the epoch's).
+MANY_STEPS = ["data.num_samples=1000", "data.batch_size=4", "trainer.max_epochs=2", "window_s=0"]
 
 
 def start_long(run_dir: Path, *args: str, **popen) -> Started:

@@ -26,12 +26,12 @@ class SignalPeer(Callback):
         interruption = next(c for c in trainer.callbacks if isinstance(c, Interruption))
         agree = interruption.agree
 
-        def signal_inside_the_agreement(strategy):
+        def signal_inside_the_agreement(strategy, pace=None):
             if self.step is not None and trainer.global_step >= self.step:
                 self.step = None
                 time.sleep(1.0)  # the peer is in the agreement's all-reduce by now, waiting for this rank
                 os.kill(peer, signal.SIGTERM)
                 time.sleep(0.5)  # its handler has run... once its all-reduce returns
-            return agree(strategy)
+            return agree(strategy, pace)
 
         interruption.agree = signal_inside_the_agreement

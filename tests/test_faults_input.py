@@ -43,6 +43,8 @@ BAD_SETTINGS = [
     ("optimizer.momentum=1.5", "optimizer.momentum=1.5"),
     ("optimizer.weight_decay=-1", "optimizer.weight_decay=-1"),
     ("seed=-1", "seed=-1"),
+    ("window_s=-0.1", "window_s=-0.1"),
+    ("window_s=fast", "window_s=fast"),
     ("model.in_features=5", "model.in_features=5"),
     ("ckpt_path=/no/such.ckpt", "ckpt_path=/no/such.ckpt"),
     ("ckpt_path=last", "ckpt_path=last"),  # no run beside this one has saved a checkpoint

@@ -24,9 +24,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from experiments.commands.entry import CONFIG_DIR
 from experiments.commands.train import train
 from experiments.config.errors import ConfigError
+from experiments.data.loader import BatchLoader
 from experiments.run.signals import Interrupted
 from experiments.run.summary import summary_lines
-from experiments.training.module import Regressor
 
 MENU = ["callbacks", "scheduler", "optimizer", "debug", "hparams_search"]
 STEPS = 8  # optimizer steps per TINY epoch: 512 training samples, batch 64
@@ -114,13 +114,16 @@ def test_an_interrupted_run_with_a_scheduler_resumes_exactly(tmp_path, monkeypat
     train(compose_config(*overrides), tmp_path / "uninterrupted")
     calls = []
 
+    draw = BatchLoader.next_batch
+
     def signal_at_step_11(self, *args):
-        calls.append(args)
-        if len(calls) == 11:  # mid-epoch, mid-schedule
+        calls.extend([args] if self.drop_last else [])  # training batches (validation's keep every row)
+        if len(calls) == 11:  # mid-epoch, mid-schedule, mid-window: the run stops once the step is done
             os.kill(os.getpid(), signal.SIGTERM)
+        return draw(self, *args)
 
     with monkeypatch.context() as patch:
-        patch.setattr(Regressor, "on_train_batch_start", signal_at_step_11, raising=False)
+        patch.setattr(BatchLoader, "next_batch", signal_at_step_11)
         with pytest.raises(Interrupted):
             train(compose_config(*overrides), tmp_path / "interrupted")
     checkpoint = tmp_path / "interrupted" / "checkpoints" / "last.ckpt"

@@ -33,22 +33,25 @@ def test_metrics_json_perf_figures_are_positive_and_consistent(tiny_run):
     assert metrics["data_device"] == "cpu"
 
 
-def test_tensorboard_has_one_perf_point_per_log_interval(tiny_run):
+def test_tensorboard_has_one_perf_point_per_window(tiny_run):
     metrics, run_dir = tiny_run
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     for name in PERF:
         points = events.Scalars(f"perf/{name}")
-        # A point every step (log_every_n_steps=1) once the 5 warm-up steps are done.
-        assert [p.step for p in points] == list(range(6, metrics["global_step"] + 1))
+        # A point at each window's end once the 5 warm-up steps are done: at the default pace a window of these
+        # steps runs to its epoch's end (8 steps an epoch, each a log step; training.windows).
+        assert [p.step for p in points] == [8, 16] and metrics["global_step"] == 16
         assert all(p.value >= 0 for p in points)
     assert all(p.value > 0 for p in events.Scalars("perf/step_time_ms"))
 
 
-def test_train_loss_is_logged_only_at_log_steps(run_in_process):
-    metrics, run_dir = run_in_process("trainer.log_every_n_steps=4")
+@pytest.mark.parametrize(("window_s", "perf_steps"), [(0.1, [8, 16]), (0, [8, 12, 16])])
+def test_train_loss_is_logged_only_at_log_steps(run_in_process, window_s, perf_steps):
+    metrics, run_dir = run_in_process("trainer.log_every_n_steps=4", f"window_s={window_s}")
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     assert [p.step for p in events.Scalars("train/loss")] == [3, 7, 11, 15]  # 16 steps, every 4th
-    assert [p.step for p in events.Scalars("perf/step_time_ms")] == [8, 12, 16]  # after 5 warm-up steps
+    # after 5 warm-up steps, at the windows' ends: each epoch's at the default pace, each log step's at 0
+    assert [p.step for p in events.Scalars("perf/step_time_ms")] == perf_steps
     assert metrics["train_loss"] > 0  # the last step's loss, logged or not
 
 
@@ -218,10 +221,11 @@ def test_benchmark_of_the_options_runs_every_variant():
     assert done.returncode == 0, done.stderr[-2000:]
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["B", "undone"])
-    rows = lines[header + 1 : header + 8]
+    rows = lines[header + 1 : header + 9]
     names = [row.split("  ")[0] for row in (r.strip().split(None, 1)[1] for r in rows)]
-    assert names == ["all options", "a step an iteration", "fresh batch tensors", "self.log train/loss",
-                     "Lightning's TensorBoardLogger", "redraw every log step", "/proc status by path"]  # fmt: skip
+    assert names == ["all options", "a step an iteration", "a window a log step", "fresh batch tensors",
+                     "self.log train/loss", "Lightning's TensorBoardLogger", "redraw every log step",
+                     "/proc status by path"]  # fmt: skip
     assert all(float(row.split()[-4]) > 0 for row in rows)  # each variant's project_ms
 
 
@@ -244,14 +248,16 @@ def test_breakdown_in_metrics_json_and_tensorboard(tiny_run):
     assert metrics["framework_ms"] >= -0.05 * metrics["step_time_ms"]
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     for name in ("data_ms", "compute_ms", "framework_ms"):
-        assert [p.step for p in events.Scalars(f"perf/{name}")] == list(range(6, metrics["global_step"] + 1))
+        assert [p.step for p in events.Scalars(f"perf/{name}")] == [8, 16]  # each window's end (the epochs')
 
 
 def test_log_steps_are_one_notion_under_accumulation(run_in_process):
     # 16 micro-steps, 8 optimizer steps, log every 2 optimizer steps: train/loss (logged at Lightning's step
     # index, 0-based), perf points (after the optimizer step) and the progress bar all on optimizer steps 2, 4, ...
+    # (window_s=0: a window a log step)
     metrics, run_dir = run_in_process(
-        "trainer.accumulate_grad_batches=2", "trainer.log_every_n_steps=2", "trainer.enable_progress_bar=true"
+        "trainer.accumulate_grad_batches=2", "trainer.log_every_n_steps=2", "trainer.enable_progress_bar=true",
+        "window_s=0",
     )
     events = EventAccumulator(str(run_dir / "tensorboard")).Reload()
     assert metrics["global_step"] == 8

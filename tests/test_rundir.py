@@ -21,7 +21,9 @@ from experiments.run.signals import Interrupted
 from experiments.run.state import State, identity, inspect
 from experiments.training.module import Regressor
 
-RESUMABLE = ["trainer.max_epochs=3", "optimizer.momentum=0.9"]  # momentum: optimizer state to restore
+# momentum: optimizer state to restore; window_s=0: a window a step (where the perf/* points fall does not depend
+# on the machine's pace, so that the resumed run's can be compared with the uninterrupted run's)
+RESUMABLE = ["trainer.max_epochs=3", "optimizer.momentum=0.9", "window_s=0"]
 
 
 def scalar_steps(run_dir: Path) -> dict[str, list[int]]:

@@ -38,13 +38,14 @@ class SlowCallback(Callback):
 
 
 def breakdown(net: torch.nn.Module | None = None, *callbacks: Callback) -> dict:
-    """The step breakdown (PerfMonitor's summary) of 3 epochs of 8 steps, a window a step."""
+    """The step breakdown (PerfMonitor's summary) of 3 epochs of 8 steps, a window a step (window_s=0, each step a
+    log step: a callback's hook runs every step)."""
     from experiments.training.perf import PerfMonitor
 
     data = SyntheticRegression(num_samples=640, num_features=8, batch_size=64, seed=0)
     data.setup()
     sgd = lambda params: torch.optim.SGD(params, lr=0.05)  # noqa: E731
-    module = Regressor(net or torch.nn.Linear(8, 1), sgd, data.feature_mean, data.feature_std)
+    module = Regressor(net or torch.nn.Linear(8, 1), sgd, data.feature_mean, data.feature_std, window_s=0)
     perf = PerfMonitor(global_batch_size=64)
     trainer = L.Trainer(
         max_epochs=3, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,

@@ -163,7 +163,8 @@ class TrainRecipe:
         net = instantiate(cfg.model, in_features=self.data.num_features)
         optimizer, scheduler = instantiate(cfg.optimizer), instantiate(cfg.scheduler)
         self.module = Regressor(
-            net, optimizer, self.data.feature_mean, self.data.feature_std, scheduler=scheduler, compile=cfg.compile
+            net, optimizer, self.data.feature_mean, self.data.feature_std, scheduler=scheduler, compile=cfg.compile,
+            window_s=cfg.window_s,
         )
         self.origin_entry = None
         if self.rank.zero:

@@ -81,6 +81,7 @@ RULES = [
     ("model.hidden", _widths, "a list of one or more integers >= 1, e.g. [1024,1024] (no hidden layer: model=linear)"),
     ("model.activation", lambda v: v in ACTIVATIONS, ", ".join(ACTIVATIONS)),
     ("compile", lambda v: isinstance(v, bool), "true, false"),
+    ("window_s", lambda v: _real(v) and 0 <= v <= 60, "a number of seconds from 0 to 60 (0: a window a log step)"),
     ("data.teacher_hidden", _widths, "a list of one or more integers >= 1, e.g. [256,256]"),
     ("data.teacher_activation", lambda v: v in ACTIVATIONS, ", ".join(ACTIVATIONS)),
     ("trainer.accumulate_grad_batches", lambda v: _integer(v) and v >= 1, "an integer >= 1"),

@@ -22,7 +22,7 @@ from experiments.run.files import write_atomic
 from experiments.run.layout import RunPaths
 
 IGNORED = ("ckpt_path", "trainer.enable_progress_bar", "trainer.enable_model_summary", "checkpoint",
-           "trainer.log_every_n_steps")  # how often it is shown: its windows of steps give the same weights
+           "trainer.log_every_n_steps", "window_s")  # how often it is shown: its windows of steps give the same weights
 # (tests/test_strategies.py); its default went from 50 to 10 in issue 42, and runs before it are the same runs.
 # With batch.effective set, the batch and accumulation that it chose (and run.yaml records) are not the user's.
 FITTED = ("data.batch_size", "trainer.accumulate_grad_batches")

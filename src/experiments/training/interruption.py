@@ -32,12 +32,14 @@ class Interruption(Callback):
     checkpoint too (`BatchLoader.state_dict`).
 
     Ranks agree on the step to stop at, and on the signal, through one small all-reduce at each log step's window
-    end and at the end of training (experiments.training.windows: the hook runs once a window), only when there is more
-    than one rank: a signal reaches one rank (`kill` of the launching process) or all of them at slightly
-    different times (Ctrl-C, SLURM's signals to each node), and `save_checkpoint` is a collective that every rank
-    must enter. With one rank the module ends its window at the next optimizer step (experiments.training.module); with
-    several every rank runs its window to the end, the same optimizer step on each, so a stop waits at most
-    `trainer.log_every_n_steps` steps (0: an epoch). Not at the windows that end at an epoch's end or a save
+    end and at the end of training (experiments.training.windows: the hook runs once a window), only when there is
+    more than one rank (the same all-reduce agrees on the windows' pace, the slowest rank's step time: windows.Pace):
+    a signal reaches one rank (`kill` of the launching process) or all of them at slightly different times (Ctrl-C,
+    SLURM's signals to each node), and `save_checkpoint` is a collective that every rank must enter. With one rank
+    the module ends its window at the next optimizer step (experiments.training.module); with several every rank
+    runs its window to the end, the same optimizer step on each, so a stop waits at most a window: about `window_s`
+    seconds of steps, or one log interval when that is longer (0: an epoch). Not at the windows that end at an
+    epoch's end or a save
     between two log steps: at a large batch an epoch is a few steps, and an all-reduce there costs about one
     step's compute every few steps. A rank stops on what the all-reduce returned, never on what its handler
     recorded since: a signal that lands while the all-reduce runs is handled when it returns, on that rank only,
@@ -68,25 +70,32 @@ class Interruption(Callback):
         if not ends_optimizer_step(trainer):  # mid accumulation, the gradients gathered so far would not be saved
             return
         if trainer.world_size == 1 or is_log_step(trainer) or not trainer.log_every_n_steps:
-            self._stop_if_asked(trainer, mid_step=True)
+            self._stop_if_asked(trainer, pl_module, mid_step=True)
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        self._stop_if_asked(trainer)  # a signal during the last validation
+        self._stop_if_asked(trainer, pl_module)  # a signal during the last validation
         self.phase = "finished"
 
-    def agree(self, strategy) -> int | None:
+    def agree(self, strategy, pace=None) -> int | None:
         """The signal every rank stops on (None: none yet), from one all-reduce of each rank's; SIGUSR1 first: a
         SLURM warning reaches each node's ranks at its own time, and rank 0, which asks SLURM for the requeue
-        (`slurm.requeue_after`), may stop on another rank's SIGUSR1 before its own arrives."""
+        (`slurm.requeue_after`), may stop on another rank's SIGUSR1 before its own arrives. In the same all-reduce,
+        the windows' `pace` (windows.Pace): the slowest rank's time a step, settled on every rank."""
         received = self.signum  # once: the handler may set it while the all-reduce runs (see the class)
-        seen = torch.tensor([received or 0, received == signal.SIGUSR1], device=strategy.root_device)
+        step_s = pace.step_s if pace is not None else 0.0
+        seen = torch.tensor([received or 0, received == signal.SIGUSR1, step_s], dtype=torch.float64,
+                            device=strategy.root_device)  # fmt: skip
         comm.agree(seen, torch.distributed.ReduceOp.MAX)
-        if seen[0] == 0:
+        signum, usr1, step_s = seen.tolist()
+        if pace is not None:
+            pace.settle(step_s)
+        if signum == 0:
             return None
-        return signal.SIGUSR1 if seen[1] else int(seen[0])
+        return signal.SIGUSR1 if usr1 else int(signum)
 
-    def _stop_if_asked(self, trainer: L.Trainer, mid_step: bool = False) -> None:
-        stop = self.agree(trainer.strategy) if trainer.world_size > 1 else self.signum
+    def _stop_if_asked(self, trainer: L.Trainer, pl_module: L.LightningModule, mid_step: bool = False) -> None:
+        pace = getattr(pl_module, "pace", None)
+        stop = self.agree(trainer.strategy, pace) if trainer.world_size > 1 else self.signum
         if stop is not None:
             self.signum = stop
             self.phase = "finished"

@@ -1,6 +1,7 @@
 """The LightningModule: it composes a plain model and owns the loss, the optimizer and the metrics."""
 
 import inspect
+import time
 from collections.abc import Callable
 
 import lightning as L
@@ -16,13 +17,14 @@ from experiments.training.clocks import ComputeClock, DeviceStepClock, HostStepC
 from experiments.training.divergence import check_loss
 from experiments.training.interruption import Interruption
 from experiments.training.log_steps import is_log_step
-from experiments.training.windows import WARMUP_BATCHES, window_batches
+from experiments.training.windows import WARMUP_BATCHES, Pace, window_batches
 
 
 class Regressor(L.LightningModule):
     """MSE regression of any `nn.Module`, trained with the optimizer that `optimizer(params)` builds, its lr
     set by `scheduler(optimizer, ...)` when there is one (conf/scheduler/), stepped after every optimizer step;
-    with `compile`, its forward pass in training runs through `torch.compile`.
+    with `compile`, its forward pass in training runs through `torch.compile`; `window_s`: the seconds of steps a
+    window of them runs, in whole log intervals (experiments.training.windows; 0: a window ends at every log step).
 
     `feature_mean` and `feature_std` are the training split's statistics: the model sees standardized
     inputs, and they travel in the checkpoint so that `predict_raw` works on raw inputs. A module that only
@@ -37,12 +39,14 @@ class Regressor(L.LightningModule):
         feature_std: torch.Tensor,
         scheduler: Callable[..., torch.optim.lr_scheduler.LRScheduler] | None = None,
         compile: bool = False,
+        window_s: float = 0.1,
     ):
         super().__init__()
         self.net = net
         self.make_optimizer = optimizer
         self.make_scheduler = scheduler
         self.compile = compile  # the top-level `compile`: the training forward pass through torch.compile
+        self.window_s = window_s
         self.register_buffer("feature_mean", feature_mean.clone())
         self.register_buffer("feature_std", feature_std.clone())
         self.compute_clock = ComputeClock()  # forward, backward and update, read by PerfMonitor (compute_ms)
@@ -91,6 +95,8 @@ class Regressor(L.LightningModule):
         self._sync = trainer.strategy.pre_backward if trainer.world_size > 1 else None  # DDP: all-reduce next backward
         self._check_every = self.device.type == "cpu"  # elsewhere reading the loss waits for the device
         self._fit_batches = 0  # micro-batches of this fit: the first ones run a step a window (windows.py)
+        # With several ranks the pace is agreed at a log step's window end, with a signal (interruption.py).
+        self.pace = Pace(self.window_s, trainer.log_every_n_steps, agreed=trainer.world_size > 1)
         if self.compile:  # a function, not a module: the state_dict (and so every checkpoint) stays the net's own
             self.forward_net = torch.compile(self.forward_net or self.net.forward)
 
@@ -98,18 +104,22 @@ class Regressor(L.LightningModule):
         """One window (experiments.training.windows) of the seed's loop: for each micro-batch drawn from `window`,
         the forward pass, the MSE and its backward pass (`_backward`), and at the end of each accumulation an
         optimizer step (`_optimizer_step`), in plain PyTorch, as Lightning's automatic optimization would run them.
-        With one rank, a signal (experiments.training.interruption) ends the window at the next optimizer step;
-        with several, the window runs to its end, and the ranks agree at a log step's.
+        The log steps inside the window keep their loss, written at its end (`_log_steps`). With one rank, a signal
+        (experiments.training.interruption) ends the window at the next optimizer step; with several, the window
+        runs to its end, and the ranks agree at a log step's.
 
         The step clock (experiments.training.clocks) times each micro-batch from its forward pass to the end of its
         update for compute_ms, less the wait for the gradients' all-reduce under DDP (comm_ms); the loader's clock
-        (data_ms) the forming of its batch; what is left of the window is the framework's.
+        (data_ms) the forming of its batch; what is left of the window is the framework's. The window's own time
+        sets the next windows' length (`Pace`).
         """
         trainer, clock = self.trainer, self._step_clock
-        at = windows.position(trainer, warming_up=self._fit_batches < WARMUP_BATCHES)
+        began = time.perf_counter()
+        at = windows.position(trainer, self._fit_batches < WARMUP_BATCHES, self.pace.intervals)
         batches = window_batches(at)
         done = steps = 0
         lr = None
+        logged = []  # (step from 0, loss, lr) of each log step of the window
         try:
             while done < batches:
                 x, y = window.next_batch()
@@ -122,6 +132,8 @@ class Regressor(L.LightningModule):
                     clock.backward_done()
                     lr = self._optimizer_step()
                     steps += 1
+                    if at.log_every and (at.step + steps) % at.log_every == 0:  # Lightning's rule (log_steps.py)
+                        logged.append((at.step + steps - 1, mse.detach(), lr))
                 clock.stop(ends_step)
                 del x, y  # one batch alive at a time (experiments.training.batch_fit measures a step with one)
                 if ends_step and self._interruption is not None and self._interruption.signum is not None:
@@ -130,9 +142,13 @@ class Regressor(L.LightningModule):
             internals.count_window(trainer, done, steps)
             self._fit_batches += done
             clock.end_window()
+            self.pace.window_done(time.perf_counter() - began, steps)
+            last = trainer.global_step - 1
+            # A log step that Lightning's rule adds at the window's end (the step the trainer stops at).
+            if steps and ends_step and is_log_step(trainer) and (not logged or logged[-1][0] != last):
+                logged.append((last, mse.detach(), lr))
+            self._log_steps(logged)  # on the way out of a failed window too: its curve up to there
         self.last_loss = mse.detach()  # metrics.json's train_loss: read once, after the fit
-        if is_log_step(trainer):  # the window ends at a log step (experiments.training.windows)
-            self._log_step(self.last_loss, lr)
 
     def _backward(self, x, y, at, ends_step: bool, check: bool, where: tuple[int, int]) -> torch.Tensor:
         """A micro-batch's forward pass, MSE and backward pass: the loss divided by `accumulate_grad_batches`, DDP's
@@ -167,21 +183,24 @@ class Regressor(L.LightningModule):
         self._scheduler.step()
         return lr
 
-    def _log_step(self, loss: torch.Tensor, lr: float | None) -> None:
-        """`train/loss` (and with a scheduler `train/lr`, the lr the step used) of a log step, written straight to
-        the loggers, at the step at which Lightning writes what `self.log` collects (the step's index from 0).
+    def _log_steps(self, logged: list[tuple[int, torch.Tensor, float | None]]) -> None:
+        """`train/loss` (and with a scheduler `train/lr`, the lr the step used) of a window's log steps, written
+        straight to the loggers at the end of the window, each at the step at which Lightning writes what `self.log`
+        collects (the step's index from 0).
 
         Not `self.log`: Lightning's result collection re-walks its state on every call, about 0.5 ms a log step,
         as much as several steps of a small model; so these are points in the logs, not `callback_metrics` for a
-        callback to monitor (val/* are). `.item()` waits for the device once a log interval, as Lightning's own
-        logging does.
+        callback to monitor (val/* are). The losses are read in one go, one wait for the device a window.
         """
-        values = {"train/loss": loss.item()}
-        if lr is not None:
-            values["train/lr"] = lr
+        if not logged:
+            return
+        losses = torch.stack([loss for _, loss, _ in logged]).tolist()
+        for (step, _, lr), loss in zip(logged, losses, strict=True):
+            values = {"train/loss": loss} if lr is None else {"train/loss": loss, "train/lr": lr}
+            for logger in self.trainer.loggers:
+                logger.log_metrics(values, step=step)
         for logger in self.trainer.loggers:
-            logger.log_metrics(values, step=self.trainer.global_step - 1)
-            logger.save()  # on disk, as Lightning's logger connector does (training.log_steps.TensorBoardLogger)
+            logger.save()  # on disk, as Lightning's logger connector does (training.dashboard.TensorBoardLogger)
 
     def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
         x, y = batch

@@ -13,7 +13,7 @@ from lightning.pytorch.profilers import PassThroughProfiler
 
 from experiments import internals
 from experiments.training.clocks import BatchClock, ComputeClock, synchronized_clock
-from experiments.training.log_steps import ends_optimizer_step, is_log_step
+from experiments.training.log_steps import ends_optimizer_step
 from experiments.training.windows import WARMUP_BATCHES
 
 
@@ -42,7 +42,7 @@ _status: tuple[int, int] | None = None  # (pid, an open descriptor of its /proc/
 
 
 def _own_status() -> bytes:
-    """This process's /proc status, read through a descriptor kept open (PerfMonitor reads it every log step:
+    """This process's /proc status, read through a descriptor kept open (PerfMonitor reads it at every window's end:
     opening the file by its path costs about 0.1 ms, as much as a step of the seed's model)."""
     global _status
     if _status is None or _status[0] != os.getpid():  # a forked child opens its own
@@ -115,8 +115,8 @@ class PerfMonitor(Callback):
     (T(N) - T(warmup)) / (N - warmup), with time spent in validation and in saving last.ckpt left out (a save's
     cost is metrics.json's `checkpoint_save_ms`: a step is what the raw loop does, not the run's I/O). Its hooks
     run once a window, and count the window's micro-batches from Lightning's counters. The device is
-    synchronised only when a figure is read: on log steps (experiments.training.log_steps), around validation and at the
-    end.
+    synchronised only when a figure is read: at the end of each window that ends an optimizer step (at most about
+    `window_s` apart, or a log interval: experiments.training.windows), around validation and at the end.
 
     A step's time is split into `data_ms` (forming the batch: BatchClock), `transfer_ms` (host-to-device
     copies: TransferClock), `compute_ms` (forward, backward and optimizer update: ComputeClock), `comm_ms` (under
@@ -125,7 +125,8 @@ class PerfMonitor(Callback):
     of the first four is timed on its own, so the rest is a measurement too (it would come out negative if the
     parts overlapped).
 
-    TensorBoard's `perf/*` points describe the interval since the previous point; `summary` (metrics.json)
+    TensorBoard's `perf/*` points, one at each such window's end, at its last step, describe the interval since
+    the previous point; `summary` (metrics.json)
     the whole steady state. `startup_s` runs from `started_at` (`run_start_time()`: the start of the process
     for its first run, of the run for later ones) to the start of the first step.
     """
@@ -169,7 +170,7 @@ class PerfMonitor(Callback):
             if self.steps >= self.warmup_steps and ends_optimizer_step(trainer):
                 self.steady_start = self.interval_start = self._mark(pl_module)
                 self.compute_clock.sample()
-        elif is_log_step(trainer) and ends_optimizer_step(trainer):
+        elif ends_optimizer_step(trainer):
             mark = self._mark(pl_module)
             interval = self._figures(self.interval_start, mark, pl_module)
             self.interval_start = mark

@@ -1,18 +1,25 @@
 """Windows: the micro-batches that one iteration of Lightning's training loop runs.
 
-Lightning's loop costs about 0.2 ms an iteration on a CPU (hooks, progress tracking, logging), as much as a
-whole step of the seed's model at a small batch. So the module's `training_step` runs a window of several
-micro-batches, in plain PyTorch, and Lightning's loop runs once a window. A window ends wherever Lightning
-would do something between two batches, so that everything it does happens where it would with one batch an
-iteration: at every log step, at an epoch's end, at `max_steps`, where validation or a checkpoint every n
-steps is due, and during the first `WARMUP_BATCHES` micro-batches of a fit, which PerfMonitor leaves out of the
-steady state (experiments.training.perf).
+Lightning's loop costs about 0.3-0.6 ms an iteration on a CPU (hooks, progress tracking, callbacks), as much as two
+whole steps of the seed's model at a small batch. So the module's `training_step` runs a window of several
+micro-batches, in plain PyTorch, and Lightning's loop runs once a window. A window ends wherever Lightning would do
+something between two batches, so that everything it does happens where it would with one batch an iteration: at
+an epoch's end, at `max_steps`, where validation or a checkpoint every n steps is due, and during the first
+`WARMUP_BATCHES` micro-batches of a fit, which PerfMonitor leaves out of the steady state
+(experiments.training.perf). And at a log step: the `intervals`-th from where the window starts, as many log
+intervals as run in about `window_s` seconds (the top-level setting, 0.1 by default; `Pace`), at least one. With
+the default log interval, 10 steps, a window of the seed's model at B=64 is 40 intervals; one of an MLP whose step
+takes 10 ms is one. The log steps inside a window have their train/loss written at its end, with their own steps
+(experiments.training.module); what Lightning's hooks do at a log step (perf/*, the progress bar, the ranks'
+agreement on a signal) happens at the log steps that end a window, at most about `window_s` apart, or a log
+interval when that is longer. `window_s=0`: a window ends at every log step.
 
-Several ranks run the same windows with no collective to agree on them: each computes the window from the same
-Position (Lightning's counters, the same on every rank). What the ranks must agree on (a signal's stop, a
-target, validation's figures) is agreed where Lightning's hooks run, at some windows' ends (a signal's stop: at a
-log step's, experiments.training.interruption); inside a window the only
-collective is the gradients' all-reduce of each optimizer step, as in a plain DDP loop.
+Several ranks run the same windows with no collective of their own to agree on them: each computes the window from
+the same Position (Lightning's counters, the same on every rank, and the same `intervals`: a rank's measured pace is
+agreed in the one all-reduce that the ranks make at a log step's window end anyway, for a signal's stop,
+experiments.training.interruption). What the ranks must agree on (a signal's stop, a target, validation's figures)
+is agreed where Lightning's hooks run, at some windows' ends; inside a window the only collective is the gradients'
+all-reduce of each optimizer step, as in a plain DDP loop.
 """
 
 from dataclasses import dataclass
@@ -36,6 +43,7 @@ class Position:
     val_every: int | None = None  # validation every this many micro-batches of `val_count`
     val_count: int = 0  # the micro-batches that `val_every` counts: this epoch's, or the whole run's
     one_step: bool = False  # warming up, or validation by time (checked between iterations)
+    intervals: int = 1  # the log steps ahead that end the window (Pace)
 
 
 def window_batches(at: Position) -> int:
@@ -50,7 +58,8 @@ def window_batches(at: Position) -> int:
     if at.one_step:
         end = min(end, end_of_step(1))
     if at.log_every:
-        end = min(end, end_of_step(at.log_every - at.step % at.log_every))  # to the next log step, included
+        # to the `intervals`-th log step ahead, included
+        end = min(end, end_of_step(at.intervals * at.log_every - at.step % at.log_every))
     if at.max_steps >= 0:
         end = min(end, end_of_step(max(at.max_steps - at.step, 1)))
     for period in at.every_steps:
@@ -60,7 +69,29 @@ def window_batches(at: Position) -> int:
     return max(end - at.batch, 1)
 
 
-def position(trainer, warming_up: bool = False) -> Position:
+class Pace:
+    """How many log intervals a window runs: as many as last at most `window_s` seconds, at least one, from the
+    latest window's time a step. With several ranks, each rank's time is agreed on (the slowest's) before it counts
+    (`settle`), so that every rank runs the same windows; with one, each window's counts at once."""
+
+    def __init__(self, window_s: float, log_every: int, agreed: bool):
+        self.window_s, self.log_every, self.agreed = window_s, log_every, agreed
+        self.intervals = 1
+        self.step_s = 0.0  # this rank's latest window: seconds an optimizer step (0: none measured yet)
+
+    def window_done(self, seconds: float, steps: int) -> None:
+        if steps:
+            self.step_s = seconds / steps
+            if not self.agreed:
+                self.settle(self.step_s)
+
+    def settle(self, step_s: float) -> None:
+        """The next windows' intervals, from an optimizer step's seconds (every rank's the same)."""
+        if self.window_s > 0 and self.log_every > 0 and step_s > 0:
+            self.intervals = max(1, int(self.window_s / (step_s * self.log_every)))
+
+
+def position(trainer, warming_up: bool = False, intervals: int = 1) -> Position:
     """Where training stands at the start of a window, and what ends one, from Lightning's loop counters: its
     `batch_idx`, the checkpoints' periods and validation's schedule."""
     loop = trainer.fit_loop.epoch_loop
@@ -81,4 +112,5 @@ def position(trainer, warming_up: bool = False) -> Position:
         val_every=val_every,
         val_count=loop.batch_idx if trainer.check_val_every_n_epoch is not None else loop.total_batch_idx,
         one_step=warming_up or internals.validates_by_time(trainer),
+        intervals=intervals,
     )
