@@ -39,10 +39,9 @@ class Interruption(Callback):
     the module ends its window at the next optimizer step (experiments.training.module); with several every rank
     runs its window to the end, the same optimizer step on each, so a stop waits at most a window: about `window_s`
     seconds of steps, or one log interval when that is longer (0: an epoch). Not at the windows that end at an
-    epoch's end or a save
-    between two log steps: at a large batch an epoch is a few steps, and an all-reduce there costs about one
-    step's compute every few steps. A rank stops on what the all-reduce returned, never on what its handler
-    recorded since: a signal that lands while the all-reduce runs is handled when it returns, on that rank only,
+    epoch's end or a save between two log steps: at a large batch an epoch is a few steps, and an all-reduce there
+    costs about one step's compute every few steps. A rank stops on what the all-reduce returned, never on what its
+    handler recorded since: a signal that lands while the all-reduce runs is handled when it returns, on that rank only,
     and a rank that stopped on it would wait in the checkpoint's barrier for ranks gone on to the next window (a
     hang until SLURM's KillWait killed the job, nothing saved). Such a signal is agreed on at the next window.
     """

@@ -126,9 +126,9 @@ class PerfMonitor(Callback):
     parts overlapped).
 
     TensorBoard's `perf/*` points, one at each such window's end, at its last step, describe the interval since
-    the previous point; `summary` (metrics.json)
-    the whole steady state. `startup_s` runs from `started_at` (`run_start_time()`: the start of the process
-    for its first run, of the run for later ones) to the start of the first step.
+    the previous point; `summary` (metrics.json) the whole steady state. `startup_s` runs from `started_at`
+    (`run_start_time()`: the start of the process for its first run, of the run for later ones) to the start of the
+    first step.
     """
 
     def __init__(
