@@ -134,9 +134,10 @@ def test_a_person_sees_curves_named_runs_and_the_swept_knob(server, browser, scr
         "cards => cards.map(card => card.title)"
     )
     assert len(first) >= 4 and all(tag.startswith("perf/") for tag in first), first
+    # a perf point a window: at least one an epoch (a window ends at an epoch's end at the latest; docs/speed.md)
     for tag in first:
         for run in RUNS:
-            assert len(get(server, "data/plugin/scalars/scalars", run=run, tag=tag)) >= 5, (run, tag)
+            assert len(get(server, "data/plugin/scalars/scalars", run=run, tag=tag)) >= 4, (run, tag)
     runs = page.locator("tb-data-table-content-row[data-id^='defaultExperimentId/']").evaluate_all(
         "rows => [...new Set(rows.map(row => row.dataset.id.split('/').slice(1).join('/')))]"
     )
