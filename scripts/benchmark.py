@@ -102,9 +102,10 @@ def main() -> None:
         f"{args.samples * (args.features + 1) * 4 / 2**20:.0f} MB ({len(data.x_train)} train, {len(data.x_val)} val)"
     )
     print(
-        f"each row: {args.reps} interleaved repetitions of each side, its minimum; raw_ms: the seed's loop (an "
+        f"each row: {args.reps} interleaved repetitions of each side; raw_ms: the seed's loop (an "
         "expert's: index_select into reused tensors); project_ms: experiments.commands.train.train's own "
-        "step_time_ms (steady state, validation and last.ckpt saves left out); ratio = project_ms / raw_ms; "
+        "step_time_ms (steady state, validation and last.ckpt saves left out), each side's minimum; ratio: the "
+        "median of the repetitions' paired project/raw ratios, range: their least and greatest; "
         "check_ms: the same run "
         "on the benchmark's clock; *_spread: slowest / fastest repetition; the project's step = data_ms + "
         "transfer_ms + compute_ms + framework_ms (the rest: Lightning's loop, callbacks, logging), framework_pct "

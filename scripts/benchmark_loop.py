@@ -12,12 +12,15 @@ A path's step time is its steady state: the raw loop's (T(N) - T(N1)) / (N - N1)
 project's own `step_time_ms` (PerfMonitor: after 5 warm-up steps, validation and last.ckpt's saves left out,
 their cost printed on its own line), checked against the benchmark's own clock on the same run (`check_ms`: a
 callback's marks from step N / 5 on, validation and saves taken out). The two paths run the same number of
-steps, one after the other, in `--reps` interleaved repetitions (raw first, then the project first, ...): each
-side's figure is its minimum, the least disturbed by the other work of a shared machine.
+steps, one after the other, in `--reps` interleaved repetitions (raw first, then the project first, ...). The
+ratio is the median of the repetitions' paired ratios (a repetition's two sides ran back to back, on the same
+machine's mood), printed with their range; each side's own figures are its minimum, the least disturbed by the
+other work of a shared machine.
 """
 
 import contextlib
 import os
+import statistics
 import tempfile
 import warnings
 from pathlib import Path
@@ -154,7 +157,8 @@ def choose_steps(x, y, batch_size: int, device: torch.device, args, placement: s
 
 
 def measure(args, data, device: torch.device, placement: str, batch_size: int, precision: str) -> dict:
-    """One row: `--reps` interleaved repetitions of the raw loop and the project, each side's minimum."""
+    """One row: `--reps` interleaved repetitions of the raw loop and the project: the median of their paired
+    ratios, each side's minimum."""
     on_device = placement == "device" and device.type != "cpu"
     x, y = (data.x_train.to(device), data.y_train.to(device)) if on_device else (data.x_train, data.y_train)
     val = (data.x_val.to(device), data.y_val.to(device))  # the project validates on the device too
@@ -180,6 +184,7 @@ def measure(args, data, device: torch.device, placement: str, batch_size: int, p
     raw = min(raws)
     metrics, check = min(runs, key=lambda run: run[0]["step_time_ms"])
     project = metrics["step_time_ms"]
+    pairs = [m["step_time_ms"] / r for (m, _), r in zip(runs, raws, strict=True)]
     return {
         "device": device.type,
         "data": placement if device.type != "cpu" else "host",
@@ -188,7 +193,8 @@ def measure(args, data, device: torch.device, placement: str, batch_size: int, p
         "steps": steps,
         "raw_ms": raw,
         "project_ms": project,
-        "ratio": project / raw,
+        "ratio": statistics.median(pairs),
+        "range": f"{min(pairs):.2f}-{max(pairs):.2f}",
         "check_ms": check,
         "raw_spread": max(raws) / raw,  # how much the repetitions of a side differed: the machine's noise
         "project_spread": max(m["step_time_ms"] for m, _ in runs) / project,
@@ -202,7 +208,7 @@ def measure(args, data, device: torch.device, placement: str, batch_size: int, p
 
 COLUMNS = [
     ("device", "{}"), ("data", "{}"), ("precision", "{}"), ("B", "{}"), ("steps", "{}"), ("raw_ms", "{:.3f}"),
-    ("project_ms", "{:.3f}"), ("ratio", "{:.2f}"), ("check_ms", "{:.3f}"), ("raw_spread", "{:.2f}"),
+    ("project_ms", "{:.3f}"), ("ratio", "{:.2f}"), ("range", "{}"), ("check_ms", "{:.3f}"), ("raw_spread", "{:.2f}"),
     ("project_spread", "{:.2f}"), ("data_ms", "{:.3f}"), ("transfer_ms", "{:.3f}"), ("compute_ms", "{:.3f}"),
     ("framework_ms", "{:.3f}"), ("framework_pct", "{:.1f}"),
 ]  # fmt: skip

@@ -171,6 +171,9 @@ def test_benchmark_quick_prints_its_table():
     assert [(row[2], row[3]) for row in rows] == [("32-true", "16"), ("32-true", "64")]
     ratio = lines[header].split().index("ratio")
     assert all(float(row[ratio]) > 0 for row in rows)
+    for row in rows:  # the median of the paired ratios lies in their range
+        low, high = map(float, row[ratio + 1].split("-"))
+        assert low <= float(row[ratio]) <= high, row
     assert any(line.startswith("start-up:") for line in lines)
     assert any(line.startswith("memory:") for line in lines)
     assert any(line.startswith("help:") for line in lines)

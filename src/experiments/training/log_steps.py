@@ -25,6 +25,13 @@ def is_log_step(trainer: L.Trainer) -> bool:
     return internals.is_log_step(trainer)
 
 
+def every_n_steps(step: int, log_every: int) -> bool:
+    """Whether optimizer step `step` (counted from 1 over the fit) is one of Lightning's every
+    `log_every_n_steps` steps (the rule of `is_log_step` without the stop's step): for the log steps inside a
+    window, which the trainer does not see one by one."""
+    return log_every > 0 and step % log_every == 0
+
+
 def ends_optimizer_step(trainer: L.Trainer) -> bool:
     """Whether the micro-step now running ends with an optimizer step (always, without accumulation); the
     last batch of an epoch steps even when its accumulation is short, as Lightning does."""

@@ -16,7 +16,7 @@ from experiments.training import windows
 from experiments.training.clocks import ComputeClock, DeviceStepClock, HostStepClock
 from experiments.training.divergence import check_loss
 from experiments.training.interruption import Interruption
-from experiments.training.log_steps import is_log_step
+from experiments.training.log_steps import every_n_steps, is_log_step
 from experiments.training.windows import WARMUP_BATCHES, Pace, window_batches
 
 
@@ -132,7 +132,7 @@ class Regressor(L.LightningModule):
                     clock.backward_done()
                     lr = self._optimizer_step()
                     steps += 1
-                    if at.log_every and (at.step + steps) % at.log_every == 0:  # Lightning's rule (log_steps.py)
+                    if every_n_steps(at.step + steps, at.log_every):
                         logged.append((at.step + steps - 1, mse.detach(), lr))
                 clock.stop(ends_step)
                 del x, y  # one batch alive at a time (experiments.training.batch_fit measures a step with one)
