@@ -105,7 +105,7 @@ def main() -> None:
         f"each row: {args.reps} interleaved repetitions of each side; raw_ms: the seed's loop (an "
         "expert's: index_select into reused tensors); project_ms: experiments.commands.train.train's own "
         "step_time_ms (steady state, validation and last.ckpt saves left out), each side's minimum; ratio: the "
-        "median of the repetitions' paired project/raw ratios, range: their least and greatest; "
+        "median of the repetitions' paired project/raw ratios, ratio_range: their least and greatest (as --ddp's); "
         "check_ms: the same run "
         "on the benchmark's clock; *_spread: slowest / fastest repetition; the project's step = data_ms + "
         "transfer_ms + compute_ms + framework_ms (the rest: Lightning's loop, callbacks, logging), framework_pct "

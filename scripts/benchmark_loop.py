@@ -194,7 +194,7 @@ def measure(args, data, device: torch.device, placement: str, batch_size: int, p
         "raw_ms": raw,
         "project_ms": project,
         "ratio": statistics.median(pairs),
-        "range": f"{min(pairs):.2f}-{max(pairs):.2f}",
+        "ratio_range": f"{min(pairs):.2f}-{max(pairs):.2f}",
         "check_ms": check,
         "raw_spread": max(raws) / raw,  # how much the repetitions of a side differed: the machine's noise
         "project_spread": max(m["step_time_ms"] for m, _ in runs) / project,
@@ -208,9 +208,9 @@ def measure(args, data, device: torch.device, placement: str, batch_size: int, p
 
 COLUMNS = [
     ("device", "{}"), ("data", "{}"), ("precision", "{}"), ("B", "{}"), ("steps", "{}"), ("raw_ms", "{:.3f}"),
-    ("project_ms", "{:.3f}"), ("ratio", "{:.2f}"), ("range", "{}"), ("check_ms", "{:.3f}"), ("raw_spread", "{:.2f}"),
-    ("project_spread", "{:.2f}"), ("data_ms", "{:.3f}"), ("transfer_ms", "{:.3f}"), ("compute_ms", "{:.3f}"),
-    ("framework_ms", "{:.3f}"), ("framework_pct", "{:.1f}"),
+    ("project_ms", "{:.3f}"), ("ratio", "{:.2f}"), ("ratio_range", "{}"), ("check_ms", "{:.3f}"),
+    ("raw_spread", "{:.2f}"), ("project_spread", "{:.2f}"), ("data_ms", "{:.3f}"), ("transfer_ms", "{:.3f}"),
+    ("compute_ms", "{:.3f}"), ("framework_ms", "{:.3f}"), ("framework_pct", "{:.1f}"),
 ]  # fmt: skip
 
 
